@@ -1,0 +1,40 @@
+# kvservice: the two commands of the quick start are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/kvservice/v1/*.proto)
+GEN := kvservice/v1/__init__.py
+
+.PHONY: install proto test demo bench audit clean
+
+install: $(STAMP) $(GEN)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+# Generated code goes to kvservice/v1/ (git-ignored) and is never edited by hand.
+proto: $(STAMP)
+	rm -rf kvservice/v1
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch $(GEN)
+
+$(GEN): $(PROTOS) $(STAMP)
+	$(MAKE) --no-print-directory proto
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(VENV)/bin/kvservice demo
+
+bench: install
+	$(VENV)/bin/kvservice bench
+
+audit: install
+	$(VENV)/bin/kvservice audit
+
+clean:
+	rm -rf $(VENV) kvservice/v1 .pytest_cache .hypothesis

@@ -1,0 +1,3 @@
+from kvservice.cli import main
+
+raise SystemExit(main())

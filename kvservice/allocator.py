@@ -1,0 +1,422 @@
+"""The allocator: validates requests, computes block hashes, plans per-pool script calls.
+
+Stateless apart from caches of immutable facts (a pool's geometry per epoch, a lease's
+tenant), so any number of replicas can serve one Redis. Raises ``kvservice.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+from collections import defaultdict
+from typing import Any
+
+from kvservice import errors, hashing, keys
+from kvservice.config import Settings
+from kvservice.model import (LEASE_ID, POOL_ID, REQUEST_ID, TENANT, Create, Geometry, LeaseInfo,
+                             PoolInfo, SeqDelta, SeqState, StepOutcome, Update, check_token_ids,
+                             format_sequence_id, parse_sequence_id)
+from kvservice.store import STALE_EPOCH, ScriptError, Store
+
+log = logging.getLogger(__name__)
+MAX_INT = 2**31 - 1
+
+
+class Allocator:
+    """Pools, leases and sequences over one ``Store``."""
+
+    def __init__(self, store: Store, settings: Settings | None = None) -> None:
+        self.store = store
+        self.settings = settings or Settings()
+        self._geometry: dict[str, tuple[int, Geometry]] = {}
+        self._leases: dict[str, tuple[str, set[str]]] = {}   # lease -> (tenant, attached pools)
+
+    # ------------------------------------------------------------ pools
+
+    async def register_pool(self, pool_id: str, geometry: Geometry, worker_address: str = "",
+                            request_id: str = "") -> PoolInfo:
+        if pool_id and not POOL_ID.fullmatch(pool_id):
+            raise errors.InvalidArgument(f"malformed pool_id {pool_id!r} (letters, digits, _ . -; at most 64)")
+        geometry.check()
+        _check_request_id(request_id)
+        if len(worker_address) > 256:
+            raise errors.InvalidArgument("worker_address is longer than 256 characters")
+        if not pool_id:
+            pool_id = f"pool-{await self.store.redis.incr(keys.PREFIX + ':pools:next')}"
+        payload = {"pool": pool_id, "rid": request_id, "req_ttl_ms": self._request_ttl_ms(),
+                   "num_blocks": geometry.num_blocks, "block_size": geometry.block_size,
+                   "num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads,
+                   "head_dim": geometry.head_dim, "dtype": geometry.dtype,
+                   "worker_address": worker_address}
+        payload["digest"] = _digest("register", sorted(payload.items()))
+        reply = await self.store.register_pool(payload)
+        self._geometry[pool_id] = (int(reply["epoch"]), geometry)
+        log.info("pool %s registered: epoch %s, %d blocks of %d tokens", pool_id, reply["epoch"],
+                 geometry.num_blocks, geometry.block_size)
+        return PoolInfo(pool_id, int(reply["epoch"]), geometry, worker_address, int(reply["registered_ms"]))
+
+    async def list_pools(self) -> list[PoolInfo]:
+        infos = await asyncio.gather(*(self._describe(p) for p in await self.store.pool_ids()))
+        return [i for i in infos if i is not None]
+
+    async def describe_pool(self, pool_id: str) -> PoolInfo:
+        _check_pool_id(pool_id)
+        info = await self._describe(pool_id)
+        if info is None:
+            raise errors.NotFound(f"pool {pool_id} is not registered")
+        return info
+
+    async def _describe(self, pool_id: str) -> PoolInfo | None:
+        counts = await self.store.pool_counts(pool_id)
+        if counts is None:
+            return None
+        meta = counts["meta"]
+        geometry = _geometry_of(meta)
+        self._geometry[pool_id] = (int(meta["epoch"]), geometry)
+        stats: dict[str, float] = {k: v for k, v in counts.items() if k.startswith("num_")}
+        stats.update(counts["stats"])
+        stats["num_blocks"] = geometry.num_blocks
+        stats["usage"] = counts["num_used_blocks"] / geometry.num_blocks
+        return PoolInfo(pool_id, int(meta["epoch"]), geometry, meta.get("worker_address", ""),
+                        int(meta.get("registered_ms", 0)), stats)
+
+    async def geometry(self, pool_id: str, *, refresh: bool = False) -> tuple[int, Geometry]:
+        """The pool's current epoch and geometry (cached per epoch)."""
+        if refresh or pool_id not in self._geometry:
+            meta = await self.store.pool_meta(pool_id)
+            if meta is None:
+                self._geometry.pop(pool_id, None)
+                raise errors.NotFound(f"pool {pool_id} is not registered")
+            self._geometry[pool_id] = (int(meta["epoch"]), _geometry_of(meta))
+        return self._geometry[pool_id]
+
+    # ------------------------------------------------------------ leases
+
+    async def grant_lease(self, tenant: str, ttl_seconds: float, request_id: str = "") -> LeaseInfo:
+        tenant = tenant or "default"
+        if not TENANT.fullmatch(tenant):
+            raise errors.InvalidArgument(f"malformed tenant {tenant!r}")
+        s = self.settings
+        if not s.min_lease_ttl <= ttl_seconds <= s.max_lease_ttl:
+            raise errors.InvalidArgument(
+                f"ttl_seconds must be in {s.min_lease_ttl}..{s.max_lease_ttl}, got {ttl_seconds}")
+        _check_request_id(request_id)
+        if request_id:
+            lease_id = hashlib.blake2b(f"{tenant}\0{request_id}".encode(), digest_size=8).hexdigest()
+        else:
+            lease_id = secrets.token_hex(8)
+        ttl_ms = max(1, round(ttl_seconds * 1000))
+        reply = await self.store.grant_lease({"lease": lease_id, "tenant": tenant, "ttl_ms": ttl_ms,
+                                              "digest": _digest("grant", tenant, ttl_ms),
+                                              "tombstone_ms": self._tombstone_ms()})
+        return _lease_info(reply)
+
+    async def keep_alive(self, lease_id: str) -> LeaseInfo:
+        _check_lease_id(lease_id)
+        reply = await self.store.keep_alive(lease_id, self._tombstone_ms())
+        return _lease_info(reply)
+
+    async def revoke_lease(self, lease_id: str) -> int:
+        """Revokes a lease and frees its sequences; returns how many were freed."""
+        _check_lease_id(lease_id)
+        pools = await self.store.revoke_lease(lease_id)
+        self._leases.pop(lease_id, None)
+        freed = 0
+        for pool_id in pools:
+            pool_id = pool_id.decode() if isinstance(pool_id, bytes) else pool_id
+            while True:
+                try:
+                    reply = await self.store.reap(pool_id, force_lease=lease_id,
+                                                  tombstone_ms=self._tombstone_ms())
+                except errors.NotFound:
+                    break
+                freed += int(reply["seqs"])
+                if not reply["more"]:
+                    break
+        return freed
+
+    async def reap(self) -> dict[str, int]:
+        """Frees the sequences of every expired lease in every pool (idempotent)."""
+        total = {"leases": 0, "seqs": 0}
+        for pool_id in await self.store.pool_ids():
+            for _ in range(1000):
+                try:
+                    reply = await self.store.reap(pool_id, tombstone_ms=self._tombstone_ms())
+                except errors.NotFound:
+                    break
+                total["leases"] += int(reply["leases"])
+                total["seqs"] += int(reply["seqs"])
+                if not reply["more"]:
+                    break
+        return total
+
+    # ------------------------------------------------------------ sequences
+
+    async def get_sequence(self, sequence_id: str) -> SeqState:
+        pool_id, epoch, n = parse_sequence_id(sequence_id)
+        current, rec = await self.store.get_sequence(pool_id, n)
+        if current is None:
+            raise errors.NotFound(f"pool {pool_id} is not registered")
+        if current != epoch:
+            raise errors.FailedPrecondition(_stale(sequence_id, pool_id, epoch, current))
+        if rec is None:
+            raise errors.NotFound(f"sequence {sequence_id} not found")
+        _, geo = await self.geometry(pool_id)
+        return _state(pool_id, epoch, n, rec, block_size=geo.block_size)
+
+    async def step(self, lease_id: str, updates: list[Update], creates: list[Create],
+                   request_id: str = "") -> StepOutcome:
+        """Applies one step: per pool all-or-nothing. See StepRequest in the proto."""
+        _check_lease_id(lease_id)
+        _check_request_id(request_id)
+        s = self.settings
+        if not updates and not creates:
+            raise errors.InvalidArgument("a step needs at least one update or create")
+        if len(updates) + len(creates) > s.max_items_per_call:
+            raise errors.InvalidArgument(
+                f"too many items: {len(updates) + len(creates)} in one call, at most {s.max_items_per_call}")
+        digest = _digest("step", lease_id, updates, creates)
+
+        by_pool: dict[str, dict[str, list]] = defaultdict(lambda: {"updates": [], "creates": []})
+        seen: set[str] = set()
+        for i, u in enumerate(updates):
+            pool_id, epoch, n = parse_sequence_id(u.sequence_id)
+            if u.sequence_id in seen:
+                raise errors.InvalidArgument(f"sequence {u.sequence_id} appears twice in one step")
+            seen.add(u.sequence_id)
+            current, geo = await self.geometry(pool_id)
+            if current != epoch:
+                current, geo = await self.geometry(pool_id, refresh=True)
+                if current != epoch:
+                    raise errors.FailedPrecondition(_stale(u.sequence_id, pool_id, epoch, current))
+            by_pool[pool_id]["updates"].append((i, n, epoch, self._update_payload(u, n, epoch, geo)))
+
+        tenant = ""
+        if creates:
+            for c in creates:
+                _check_create(c, s.max_prompt_tokens)
+            explicit = sorted({c.pool_id for c in creates if c.pool_id})
+            for pool_id in explicit:
+                await self.geometry(pool_id)
+            anywhere = any(not c.pool_id for c in creates)
+            candidates = await self.store.pool_ids() if anywhere else explicit
+            if not candidates:
+                raise errors.FailedPrecondition("no pool is registered")
+            tenant, lease_deadline = await self._attach(lease_id, candidates)
+            for i, c in enumerate(creates):
+                pool_id = c.pool_id or await self._place(c, tenant)
+                by_pool[pool_id]["creates"].append((i, c))
+        else:
+            lease_deadline = 0
+        outcome = StepOutcome([None] * len(updates), [None] * len(creates), [])
+        pools = list(by_pool)
+        payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_deadline,
+                                             request_id, digest) for p in pools]
+        replies = await self.store.step(payloads)
+        first_error: errors.KvsError | None = None
+        for pool_id, payload, reply in zip(pools, payloads, replies):
+            for _ in range(3):
+                if not isinstance(reply, ScriptError):
+                    break
+                if reply.code == STALE_EPOCH:
+                    await self.geometry(pool_id, refresh=True)
+                else:  # LEASE_UNKNOWN: the pool forgot the lease (re-registered); attach again
+                    self._leases.pop(lease_id, None)
+                    tenant, lease_deadline = await self._attach(lease_id, [pool_id])
+                payload = await self._pool_payload(pool_id, by_pool[pool_id], lease_id, tenant,
+                                                   lease_deadline, request_id, digest)
+                reply = (await self.store.step([payload]))[0]
+            if isinstance(reply, Exception):
+                if isinstance(reply, errors.ResourceExhausted):
+                    reply.pool_id = pool_id
+                    await self.store.count_failure(pool_id)
+                if not isinstance(reply, errors.KvsError):
+                    raise reply
+                first_error = first_error or reply
+                continue
+            self._collect(pool_id, by_pool[pool_id], lease_id, reply, outcome)
+        if first_error is not None:
+            if len(pools) > 1:
+                first_error.partial = outcome
+            raise first_error
+        return outcome
+
+    # ------------------------------------------------------------ helpers
+
+    def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry) -> dict[str, Any]:
+        bs = geo.block_size
+        for name, value in (("num_tokens", u.num_tokens), ("grow_to", u.grow_to)):
+            if not -1 <= value <= MAX_INT or (name == "grow_to" and value < 0):
+                raise errors.InvalidArgument(f"sequence {u.sequence_id}: {name} {value} is out of range")
+        if u.num_tokens == 0:
+            raise errors.InvalidArgument(f"sequence {u.sequence_id}: num_tokens must be >= 1 (or -1)")
+        if u.free and (u.grow_to or u.fork_grow_to):
+            raise errors.InvalidArgument(f"sequence {u.sequence_id} cannot be freed and forked or grown in one step")
+        if len(u.fork_grow_to) > self.settings.max_forks_per_sequence:
+            raise errors.InvalidArgument(
+                f"sequence {u.sequence_id}: {len(u.fork_grow_to)} forks, at most "
+                f"{self.settings.max_forks_per_sequence} per step")
+        for g in u.fork_grow_to:
+            if not 0 <= g <= MAX_INT:
+                raise errors.InvalidArgument(f"sequence {u.sequence_id}: fork_grow_to {g} is out of range")
+        hashes: list[str] = []
+        first = 0
+        if u.commits:
+            if u.num_tokens < 0:
+                raise errors.InvalidArgument(f"sequence {u.sequence_id}: commits need num_tokens")
+            if len(u.parent_hash) != hashing.HASH_BYTES:
+                raise errors.InvalidArgument(
+                    f"sequence {u.sequence_id}: parent_hash must be {hashing.HASH_BYTES} bytes")
+            first = u.commits[0].index
+            parent = u.parent_hash
+            for j, c in enumerate(u.commits):
+                if c.index != first + j:
+                    raise errors.InvalidArgument(f"sequence {u.sequence_id}: commits must be consecutive blocks")
+                if len(c.token_ids) != bs:
+                    raise errors.InvalidArgument(
+                        f"sequence {u.sequence_id}: block {c.index} has {len(c.token_ids)} tokens, "
+                        f"a full block has {bs}")
+                check_token_ids(c.token_ids, f"sequence {u.sequence_id}")
+                parent = hashing.block_hash(parent, c.token_ids)
+                hashes.append(parent.hex())
+        return {"s": n, "e": epoch, "t": u.num_tokens, "ph": u.parent_hash.hex(), "ci": first,
+                "cm": hashes, "free": u.free, "fk": list(u.fork_grow_to), "g": u.grow_to}
+
+    async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
+                            lease_deadline: int, request_id: str, digest: str) -> dict[str, Any]:
+        """One pool's script payload. ``lease_deadline`` is 0 when the lease is known to be
+        attached to the pool already (the script then reads its deadline there)."""
+        epoch, geo = await self.geometry(pool_id)
+        creates = []
+        for _, c in items["creates"]:
+            root = hashing.root_hash(self._salt(tenant), c.extra_key)
+            nfull = len(c.token_ids) // geo.block_size
+            hs = hashing.chain_hashes(root, c.token_ids, geo.block_size, nfull)
+            creates.append({"e": epoch, "n": len(c.token_ids), "root": root.hex(), "hs": [h.hex() for h in hs]})
+        return {"pool": pool_id, "rid": request_id, "digest": digest, "req_ttl_ms": self._request_ttl_ms(),
+                "lease": lease_id, "lease_deadline": lease_deadline,
+                "max_blocks": self.settings.max_blocks_per_call,
+                "updates": [u[3] for u in items["updates"]], "creates": creates}
+
+    async def _attach(self, lease_id: str, pools: list[str]) -> tuple[str, int]:
+        """The lease's tenant and deadline, attaching it to ``pools``; the deadline is 0 when
+        the lease was attached to all of them before (then the pools know its deadline)."""
+        cached = self._leases.get(lease_id)
+        if cached is not None and cached[1].issuperset(pools):
+            return cached[0], 0
+        reply = await self.store.attach_lease(lease_id, pools, self._tombstone_ms())
+        tenant = reply["tenant"]
+        if len(self._leases) > 100_000:
+            self._leases.clear()
+        attached = cached[1] if cached else set()
+        attached.update(pools)
+        self._leases[lease_id] = (tenant, attached)
+        return tenant, int(reply["deadline"])
+
+    async def _place(self, c: Create, tenant: str) -> str:
+        """The pool with the longest cached prefix of ``c``, then the most free blocks."""
+        pools = await self.store.pool_ids()
+        root = hashing.root_hash(self._salt(tenant), c.extra_key)
+
+        async def score(pool_id: str) -> tuple[int, int, str] | None:
+            try:
+                epoch, geo = await self.geometry(pool_id)
+            except errors.NotFound:
+                return None
+            max_hit = (len(c.token_ids) - 1) // geo.block_size
+            hs = [h.hex() for h in hashing.chain_hashes(root, c.token_ids, geo.block_size, max_hit)]
+            reply = await self.store.probe(pool_id, epoch, hs)
+            return int(reply["hits"]) * geo.block_size, int(reply["available"]), pool_id
+
+        scored = [x for x in await asyncio.gather(*(score(p) for p in pools)) if x is not None]
+        if not scored:
+            raise errors.FailedPrecondition("no pool is registered")
+        best = max(scored, key=lambda x: (x[0], x[1], _neg(x[2])))
+        return best[2]
+
+    def _collect(self, pool_id: str, items: dict[str, list], lease_id: str, reply: dict[str, Any],
+                 outcome: StepOutcome) -> None:
+        epoch = int(reply["epoch"])
+        bs = self._geometry[pool_id][1].block_size
+        for (i, n, _, _), d in zip(items["updates"], _list(reply.get("updates"))):
+            cow = tuple(d["cow"]) if d.get("cow") else None
+            children = [_state(pool_id, epoch, int(k["n"]), k, lease_id, bs) for k in _list(d.get("kids"))]
+            outcome.updates[i] = SeqDelta(format_sequence_id(pool_id, epoch, n), int(d["t"]),
+                                          [int(b) for b in _list(d.get("nb"))], cow, int(d["c"]),
+                                          bytes.fromhex(d["h"]), children, bool(d.get("freed")))
+        for (i, _), rec in zip(items["creates"], _list(reply.get("created"))):
+            outcome.created[i] = _state(pool_id, epoch, int(rec["n"]), rec, lease_id, bs)
+        outcome.copies.extend((pool_id, int(a), int(b)) for a, b in _list(reply.get("copies")))
+
+    def _salt(self, tenant: str) -> str:
+        return tenant if self.settings.prefix_cache_scope == "tenant" else ""
+
+    def _request_ttl_ms(self) -> int:
+        return int(self.settings.request_ttl * 1000)
+
+    def _tombstone_ms(self) -> int:
+        return int(self.settings.lease_tombstone * 1000)
+
+
+def _list(x: Any) -> list:
+    """cjson encodes an empty array as {}: treat any empty value as []."""
+    return x if isinstance(x, list) else []
+
+
+def _neg(s: str) -> tuple[int, ...]:
+    return tuple(-ord(ch) for ch in s)
+
+
+def _state(pool_id: str, epoch: int, n: int, rec: dict[str, Any], lease_id: str = "",
+           block_size: int = 0) -> SeqState:
+    cow = tuple(rec["cow"]) if rec.get("cow") else None
+    return SeqState(format_sequence_id(pool_id, epoch, n), pool_id, epoch, rec.get("l", lease_id),
+                    [int(b) for b in _list(rec.get("b"))], int(rec["t"]), int(rec.get("k", 0)),
+                    int(rec["c"]), bytes.fromhex(rec["h"]), cow, block_size)
+
+
+def _geometry_of(meta: dict[str, str]) -> Geometry:
+    return Geometry(int(meta["num_blocks"]), int(meta["block_size"]), int(meta["num_layers"]),
+                    int(meta["num_kv_heads"]), int(meta["head_dim"]), meta["dtype"])
+
+
+def _lease_info(reply: dict[str, Any]) -> LeaseInfo:
+    return LeaseInfo(reply["lease"], reply["tenant"], int(reply["ttl_ms"]) / 1000, int(reply["deadline"]))
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _stale(sequence_id: str, pool_id: str, epoch: int, current: int | None) -> str:
+    return (f"sequence {sequence_id} belongs to epoch {epoch} but pool {pool_id} was "
+            f"re-registered (epoch {current})")
+
+
+def _check_pool_id(pool_id: str) -> None:
+    if not POOL_ID.fullmatch(pool_id or ""):
+        raise errors.InvalidArgument(f"malformed pool_id {pool_id!r}")
+
+
+def _check_lease_id(lease_id: str) -> None:
+    if not LEASE_ID.fullmatch(lease_id or ""):
+        raise errors.InvalidArgument(f"malformed lease_id {lease_id!r}")
+
+
+def _check_request_id(request_id: str) -> None:
+    if request_id and not REQUEST_ID.fullmatch(request_id):
+        raise errors.InvalidArgument(f"malformed request_id {request_id!r} (1..128 of A-Z a-z 0-9 _ . : -)")
+
+
+def _check_create(c: Create, max_prompt_tokens: int) -> None:
+    if not c.token_ids:
+        raise errors.InvalidArgument("a create needs a non-empty prompt (token_ids)")
+    if len(c.token_ids) > max_prompt_tokens:
+        raise errors.InvalidArgument(f"prompt of {len(c.token_ids)} tokens, at most {max_prompt_tokens}")
+    check_token_ids(c.token_ids, "prompt")
+    if c.pool_id:
+        _check_pool_id(c.pool_id)
+    if len(c.extra_key) > 1024:
+        raise errors.InvalidArgument("extra_key is longer than 1024 bytes")

@@ -1,0 +1,120 @@
+"""The allocator's invariants (DESIGN §3), checked on a consistent snapshot of one pool.
+
+- every block is in exactly one of {free, evictable, referenced};
+- ref(b) equals the number of block tables that hold b;
+- the hash -> block and block -> hash maps agree, and only cached blocks have hashes
+  (evictable blocks always do, free blocks never);
+- the counts reported by the stats equal the sets they count;
+- every sequence record is well formed (table length matches its token count, committed
+  blocks are full) and indexed under its lease, and every lease index entry has a record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+
+def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None = None) -> list[str]:
+    """Returns the list of broken invariants (empty when the pool is consistent).
+
+    Args:
+        pool_id: for the messages.
+        snap: ``Store.snapshot(pool_id)``.
+        counts: ``Store.pool_counts(pool_id)`` taken at the same moment, to check the
+            reported counters against the sets (optional).
+    """
+    problems: list[str] = []
+
+    def bad(msg: str) -> None:
+        if len(problems) < 200:
+            problems.append(f"pool {pool_id}: {msg}")
+
+    meta = snap["meta"]
+    num_blocks, bs = int(meta["num_blocks"]), int(meta["block_size"])
+    fresh = snap["state"].get("fresh", 0)
+    if not 0 <= fresh <= num_blocks:
+        bad(f"fresh mark {fresh} outside 0..{num_blocks}")
+
+    free_list = snap["free"]
+    for b, n in Counter(free_list).items():
+        if n > 1:
+            bad(f"block {b} is {n} times in the free list")
+        if not 0 <= b < fresh:
+            bad(f"free-list block {b} is outside 0..{fresh - 1} (the used range)")
+    free = set(free_list) | set(range(fresh, num_blocks))
+    evictable = {b for b, _ in snap["evict"]}
+    referenced = set(snap["ref"])
+    for name, group in (("free", free), ("evictable", evictable), ("referenced", referenced)):
+        outside = [b for b in group if not 0 <= b < num_blocks]
+        if outside:
+            bad(f"{name} blocks outside 0..{num_blocks - 1}: {sorted(outside)[:10]}")
+    for (n1, g1), (n2, g2) in ((("free", free), ("evictable", evictable)),
+                               (("free", free), ("referenced", referenced)),
+                               (("evictable", evictable), ("referenced", referenced))):
+        both = g1 & g2
+        if both:
+            bad(f"blocks both {n1} and {n2}: {sorted(both)[:10]}")
+    missing = set(range(num_blocks)) - free - evictable - referenced
+    if missing:
+        bad(f"blocks in no set (lost): {sorted(missing)[:10]}")
+
+    holders: Counter[int] = Counter()
+    for n, rec in snap["seqs"].items():
+        table = rec["b"] if isinstance(rec["b"], list) else []
+        holders.update(table)
+        t, c = rec["t"], rec["c"]
+        if len(table) != math.ceil(t / bs):
+            bad(f"sequence {n}: {len(table)} blocks for {t} tokens (block size {bs})")
+        if not 0 <= c <= min(len(table), t // bs):
+            bad(f"sequence {n}: {c} committed blocks but only {t // bs} full")
+        if len(set(table)) != len(table):
+            bad(f"sequence {n}: a block appears twice in its table")
+    for b in referenced | set(holders):
+        if snap["ref"].get(b, 0) != holders.get(b, 0):
+            bad(f"block {b}: ref {snap['ref'].get(b, 0)} but held by {holders.get(b, 0)} block tables")
+    for b, r in snap["ref"].items():
+        if r <= 0:
+            bad(f"block {b} has ref {r} in the ref map")
+
+    h2b, b2h = snap["h2b"], snap["b2h"]
+    for h, b in h2b.items():
+        if b2h.get(b) != h:
+            bad(f"hash {h[:12]}.. -> block {b}, but block {b} -> {str(b2h.get(b))[:12]}..")
+    for b, h in b2h.items():
+        if h2b.get(h) != b:
+            bad(f"block {b} -> hash {h[:12]}.., but that hash -> {h2b.get(h)}")
+        if b in free:
+            bad(f"free block {b} still has a hash")
+    for b in evictable:
+        if b not in b2h:
+            bad(f"evictable block {b} has no hash")
+
+    lease_index = Counter()
+    for member in snap["lseq"]:
+        lease, _, n = member.rpartition(":")
+        lease_index[int(n)] += 1
+        rec = snap["seqs"].get(int(n))
+        if rec is None:
+            bad(f"lease index entry {member} has no sequence")
+        elif rec["l"] != lease:
+            bad(f"lease index entry {member} but the sequence belongs to {rec['l']}")
+    for n, rec in snap["seqs"].items():
+        if lease_index.get(n, 0) != 1:
+            bad(f"sequence {n} is indexed {lease_index.get(n, 0)} times under its lease")
+        if rec["l"] not in snap["leases"]:
+            bad(f"sequence {n} hangs off lease {rec['l']}, unknown to the pool")
+
+    st = snap.get("stats", {})
+    live = st.get("sequences_created", 0) - st.get("sequences_freed", 0)
+    if live != len(snap["seqs"]):
+        bad(f"counters say {live} live sequences (created - freed) but {len(snap['seqs'])} exist")
+    if counts is not None:
+        expect = {"num_free_blocks": len(free), "num_evictable_blocks": len(evictable),
+                  "num_used_blocks": len(referenced), "num_sequences": len(snap["seqs"]),
+                  "num_leases": len(snap["leases"])}
+        for name, value in expect.items():
+            if counts.get(name) != value:
+                bad(f"{name} reports {counts.get(name)} but the set holds {value}")
+    return problems

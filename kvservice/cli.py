@@ -1,0 +1,116 @@
+"""``kvservice`` command line: serve, audit, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from kvservice.config import Settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvservice.server import serve
+
+    try:
+        settings = Settings.from_args(args)
+    except ValueError as exc:
+        print(f"kvservice serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(settings, port_file=args.port_file))
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from kvservice.allocator import Allocator
+    from kvservice.servicer import run_audit
+    from kvservice.store import Store, connect
+
+    url = args.redis_url or os.environ.get("KVSERVICE_REDIS_URL", "")
+    if not url:
+        print("kvservice audit: give --redis-url (or KVSERVICE_REDIS_URL)", file=sys.stderr)
+        return 2
+
+    async def run() -> tuple[list[str], list]:
+        store = Store(connect(url))
+        try:
+            return await run_audit(Allocator(store), args.pool)
+        finally:
+            await store.close()
+
+    try:
+        problems, infos = asyncio.run(run())
+    except Exception as exc:  # noqa: BLE001 - report, do not trace
+        print(f"kvservice audit: cannot audit {url}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"ok": not problems, "problems": problems,
+                          "pools": [{"pool_id": i.pool_id, "epoch": i.epoch, **i.stats} for i in infos]}))
+    else:
+        for i in infos:
+            s = i.stats
+            print(f"pool {i.pool_id} (epoch {i.epoch}): {s['num_blocks']} blocks = "
+                  f"{s['num_free_blocks']} free + {s['num_evictable_blocks']} evictable + "
+                  f"{s['num_used_blocks']} used; {s['num_sequences']} sequences, {s['num_leases']} leases")
+        if problems:
+            print(f"AUDIT FAILED: {len(problems)} problem(s)")
+            for p in problems:
+                print(f"  - {p}")
+        else:
+            print(f"audit ok: {len(infos)} pool(s), every invariant holds")
+    return 1 if problems else 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvservice.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvservice.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvservice", description=(
+        "A distributed manager for the paged KV cache of LLM inference: a block allocator "
+        "over Redis with a gRPC API."))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run an allocator replica (embedded Redis unless --redis-url)")
+    Settings.add_arguments(p)
+    p.add_argument("--port-file", help="write the bound port and the Redis URL to this file once serving")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("audit", help="check the allocator's invariants on a live Redis; exit 1 if broken")
+    p.add_argument("--redis-url", default="", help="Redis URL (default $KVSERVICE_REDIS_URL)")
+    p.add_argument("--pool", default="", help="audit one pool (default: every pool)")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
+    p.set_defaults(func=_audit)
+
+    p = sub.add_parser("bench", help="measure the allocator: floor, decode steps, create/fork/free")
+    p.add_argument("--redis-url", default="", help="use this Redis (default: an embedded one)")
+    p.add_argument("--target", default="", help="use a running allocator at host:port (needs --redis-url)")
+    p.add_argument("--sequences", type=int, default=256, help="concurrent sequences (default 256)")
+    p.add_argument("--steps", type=int, default=512, help="decode steps (default 512)")
+    p.add_argument("--block-size", type=int, default=16, help="block size (default 16)")
+    p.add_argument("--repeat", type=int, default=200, help="samples per latency figure (default 200)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser("demo", help="start Redis and an allocator, then create, fork, grow and free sequences")
+    p.add_argument("--redis-url", default="", help="use this Redis (default: an embedded one)")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

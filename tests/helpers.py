@@ -1,0 +1,109 @@
+"""Test helpers: an allocator server in a thread, audits and state snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from kvservice.allocator import Allocator
+from kvservice.config import Settings
+from kvservice.server import create_server, reaper
+from kvservice.servicer import run_audit
+from kvservice.store import Store, connect
+
+TEST_SETTINGS = Settings(reap_interval=0.05, request_ttl=60.0)
+
+
+class ServerThread:
+    """A real grpc.aio allocator server on 127.0.0.1:0, in its own thread and event loop."""
+
+    def __init__(self, redis_url: str, settings: Settings = TEST_SETTINGS, *, reap: bool = True) -> None:
+        self.redis_url = redis_url
+        self.settings = settings
+        self.reap = reap
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self.store = Store(connect(self.redis_url))
+        self.allocator = Allocator(self.store, self.settings)
+        self.server, self.port = await create_server(self.allocator, "127.0.0.1:0")
+        await self.server.start()
+        self._stop = asyncio.Event()
+        sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval)) if self.reap else None
+        self._ready.set()
+        await self._stop.wait()
+        if sweeper:
+            sweeper.cancel()
+        await self.server.stop(grace=0.5)
+        await self.store.close()
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait(10)
+        if self._error:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(10)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_async(coro_fn, redis_url: str) -> Any:
+    """Runs ``coro_fn(allocator)`` on a fresh connection, in a fresh event loop."""
+    async def main() -> Any:
+        store = Store(connect(redis_url))
+        try:
+            return await coro_fn(Allocator(store))
+        finally:
+            await store.close()
+    return asyncio.run(main())
+
+
+def audit(redis_url: str, pool_id: str = "") -> list[str]:
+    """The audit's problems on the live Redis (empty when clean)."""
+    async def go(a: Allocator) -> list[str]:
+        problems, _ = await run_audit(a, pool_id)
+        return problems
+    return run_async(go, redis_url)
+
+
+def snapshot(redis_url: str, pool_id: str) -> dict[str, Any]:
+    """The pool's allocation state (counters left out), for before/after comparisons."""
+    async def go(a: Allocator) -> dict[str, Any]:
+        snap = await a.store.snapshot(pool_id)
+        assert snap is not None, f"pool {pool_id} is not registered"
+        snap.pop("stats")
+        snap.pop("counts")
+        return snap
+    return run_async(go, redis_url)
+
+
+def stats(redis_url: str, pool_id: str) -> dict[str, Any]:
+    async def go(a: Allocator) -> dict[str, Any]:
+        return (await a.describe_pool(pool_id)).stats
+    return run_async(go, redis_url)
