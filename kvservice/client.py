@@ -368,7 +368,10 @@ class Client:
             self._keeper.join(timeout=5)
         try:
             if revoke:
-                self._call(self.stub.RevokeLease, pb.RevokeLeaseRequest(lease_id=self.lease_id), retries=1)
+                try:
+                    self._call(self.stub.RevokeLease, pb.RevokeLeaseRequest(lease_id=self.lease_id), retries=1)
+                except (errors.NotFound, errors.FailedPrecondition):
+                    pass  # the lease is gone already, and its sequences with it
         finally:
             self.closed = True
             self.channel.close()

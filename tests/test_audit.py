@@ -1,0 +1,80 @@
+"""`kvservice audit` finds every kind of broken invariant, and passes on a sound state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from kvservice import keys
+from kvservice.client import Client
+
+from helpers import ServerThread, audit
+
+
+def run_audit_cli(url: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvservice", "audit", "--redis-url", url, *extra],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def live(redis_url):
+    """A pool with shared, forked, cached and free blocks, held by a live client."""
+    with ServerThread(redis_url) as srv, Client(srv.target) as c:
+        c.register_pool("a1", num_blocks=32, block_size=4)
+        x = c.create(list(range(10)), pool="a1")
+        x.fork()
+        y = c.create(list(range(11)), pool="a1")
+        c.create(list(range(50, 59)), pool="a1").free()      # two evictable blocks
+        yield redis.Redis.from_url(redis_url), x, y
+
+
+def test_sound_state_passes(live, redis_url):
+    out = run_audit_cli(redis_url)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "audit ok: 1 pool(s)" in out.stdout
+    assert "32 blocks = " in out.stdout
+    report = json.loads(run_audit_cli(redis_url, "--json").stdout)
+    assert report["ok"] and report["pools"][0]["num_sequences"] == 3
+
+
+def _k(name: str) -> str:
+    return keys.pool_key("a1", name)
+
+
+CORRUPTIONS = {
+    "double-owned block": (lambda r, x, y: r.rpush(_k("free"), x.block_table[0]),
+                           "blocks both free and referenced"),
+    "lost block": (lambda r, x, y: r.hdel(_k("ref"), y.block_table[-1]), "lost"),
+    "wrong ref count": (lambda r, x, y: r.hincrby(_k("ref"), x.block_table[0], 1), "held by 3 block tables"),
+    "hash maps disagree": (lambda r, x, y: r.hset(_k("h2b"), "ab" * 16, x.block_table[2]),
+                           "hash abababababab.. -> block"),
+    "evictable without hash": (lambda r, x, y: r.hdel(_k("b2h"), int(r.zrange(_k("evict"), 0, 0)[0])),
+                               "has no hash"),
+    "counter drift": (lambda r, x, y: r.hincrby(_k("stats"), "sequences_created", 1), "live sequences"),
+    "table too short": (lambda r, x, y: r.hset(_k("seqs"), y.id.split("/")[2],
+                                                json.dumps({"l": "zz", "t": 11, "c": 2, "h": "", "k": 0,
+                                                            "b": y.block_table[:2]})),
+                        "2 blocks for 11 tokens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_broken_invariant_fails_the_audit(live, redis_url, name):
+    r, x, y = live
+    assert audit(redis_url) == []
+    corrupt, expected = CORRUPTIONS[name]
+    corrupt(r, x, y)
+    out = run_audit_cli(redis_url)
+    assert out.returncode == 1, out.stdout
+    assert "AUDIT FAILED" in out.stdout and expected in out.stdout, out.stdout
+    # Put it right for the fixture's teardown: wipe the pool.
+    r.flushall()
+
+
+def test_unreachable_redis_exits_2():
+    out = run_audit_cli("redis://127.0.0.1:1")
+    assert out.returncode == 2 and "cannot audit" in out.stderr

@@ -1,0 +1,122 @@
+"""The SDK's hot path (DESIGN §5): local appends, at most one RPC per engine step."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvservice import errors
+from kvservice.client import Client
+
+BS = 16
+
+
+@pytest.fixture
+def pool(client):
+    client.register_pool("hot", num_blocks=256, block_size=BS)
+    return "hot"
+
+
+def test_appends_inside_a_private_last_block_make_no_rpc(client, pool):
+    seq = client.create(list(range(17)), pool=pool)     # 2 blocks, 1 token in the second
+    calls = client.rpc_count
+    for t in range(15):                                  # fills the second block exactly
+        res = seq.append([t])
+        assert not res.rpc
+    assert client.rpc_count == calls
+    assert seq.num_tokens == 32 and len(seq.block_table) == 2
+    seq.append([99])                                     # crosses into a third block
+    assert client.rpc_count == calls + 1 and len(seq.block_table) == 3
+    # The server saw the crossing, and committed block 1 with it.
+    server_view = client.get(seq.id)
+    assert server_view.num_tokens == 33 and server_view.num_committed_blocks == 2
+    assert list(server_view.block_table) == seq.block_table
+
+
+def test_one_engine_step_makes_at_most_one_rpc(client, pool):
+    lengths = [5 + i % 4 for i in range(20)]
+    seqs = [client.create(list(range(100 * i, 100 * i + n)), pool=pool) for i, n in enumerate(lengths)]
+    rpc_steps = []
+    for step in range(1, 41):
+        before = client.rpc_count
+        res = client.step({s: [7] for s in seqs})
+        assert client.rpc_count - before == (1 if res.rpc else 0)
+        if res.rpc:
+            rpc_steps.append(step)
+    # A step needs the allocator only when some sequence's last block is full.
+    expected = [j for j in range(1, 41) if any((n + j - 1) % BS == 0 for n in lengths)]
+    assert rpc_steps == expected == [9, 10, 11, 12, 25, 26, 27, 28]
+    for s in seqs:
+        view = client.get(s.id)
+        assert list(view.block_table) == s.block_table
+        assert view.num_tokens <= s.num_tokens <= len(s.block_table) * BS
+
+
+def test_step_mixing_creates_forks_appends_and_frees_is_one_rpc(client, pool):
+    a = client.create(list(range(20)), pool=pool)
+    b = client.create(list(range(50, 90)), pool=pool)
+    calls = client.rpc_count
+    res = client.step({a: [1]}, forks={a: [[2], [3]]}, frees=[b], creates=[list(range(300, 310))])
+    assert client.rpc_count == calls + 1
+    kids = res.children[a.id]
+    assert len(kids) == 2 and len(res.created) == 1 and b.freed
+    # Two children and the parent write into the shared partial block: two copies.
+    assert len(res.copies) == 2
+    assert len({a.block_table[-1], kids[0].block_table[-1], kids[1].block_table[-1]}) == 3
+    assert [k.num_tokens for k in kids] == [21, 21] and a.num_tokens == 21
+
+
+def test_slot_mapping_follows_the_block_table(client, pool):
+    seq = client.create(list(range(40)), pool=pool)
+    table = seq.block_table
+    slots = seq.slot_mapping()
+    assert len(slots) == 40
+    assert slots[0] == table[0] * BS and slots[17] == table[1] * BS + 1 and slots[39] == table[2] * BS + 7
+    assert seq.slot_mapping(38, 40) == slots[38:]
+    with pytest.raises(ValueError):
+        seq.slot_mapping(0, 49)
+
+
+def test_context_manager_frees_on_exit(client, pool):
+    with client.create(list(range(30)), pool=pool) as seq:
+        assert client.pool_stats(pool).num_used_blocks == 2
+    assert seq.freed
+    s = client.pool_stats(pool)
+    assert s.num_used_blocks == 0 and s.num_sequences == 0
+
+
+def test_deferred_commits_reach_the_cache_with_the_free(client, pool):
+    seq = client.create(list(range(10)), pool=pool)
+    seq.append(list(range(10, 32)))                     # crosses into block 1 and fills it
+    seq.append([])
+    seq.free()                                          # block 1 is committed with the free
+    again = client.create(list(range(33)), pool=pool)
+    assert again.num_cached_tokens == 32
+
+
+def test_sequences_of_another_client_are_refused_locally(server, client, pool):
+    with Client(server.target) as other:
+        seq = other.create([1, 2, 3], pool=pool)
+        with pytest.raises(ValueError, match="not a sequence of this client"):
+            client.step({seq: [4]})
+        with pytest.raises(ValueError, match="freed and appended"):
+            other.step({seq: [4]}, frees=[seq])
+
+
+def test_server_refuses_a_foreign_lease(server, client, pool):
+    with Client(server.target) as other:
+        seq = other.create([1, 2, 3], pool=pool)
+        from kvservice.v1 import allocator_pb2 as pb
+        with pytest.raises(errors.PermissionDenied, match="belongs to another lease"):
+            client._call(client.stub.FreeSequences,
+                         pb.FreeSequencesRequest(lease_id=client.lease_id, sequence_ids=[seq.id]))
+
+
+def test_create_without_a_pool_prefers_the_longest_cached_prefix_then_free_blocks(client):
+    client.register_pool("big", num_blocks=128, block_size=BS)
+    client.register_pool("small", num_blocks=32, block_size=BS)
+    first = client.create(list(range(50)))
+    assert first.pool == "big"                           # no hit anywhere: most free blocks
+    warm = client.create(list(range(1000, 1040)), pool="small")
+    again = client.create(list(range(1000, 1050)))
+    assert again.pool == "small" and again.num_cached_tokens == 32
+    warm.free()

@@ -1,0 +1,73 @@
+"""The service as processes: serve with an embedded Redis, health, reflection, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvservice.client import Client
+from kvservice.embedded import EmbeddedRedis, available_flavors
+from kvservice.launcher import AllocatorProcess
+
+
+def test_serve_without_redis_url_starts_and_stops_a_private_redis():
+    with AllocatorProcess() as proc:
+        assert proc.url.startswith("unix://")
+        socket_path = proc.url.removeprefix("unix://")
+        assert redis.Redis(unix_socket_path=socket_path).ping()
+        with Client(proc.target) as c:
+            c.register_pool("e0", num_blocks=8, block_size=4)
+            assert c.create([1, 2, 3], pool="e0").block_table == [0]
+    assert proc.proc.returncode == 0
+    assert not os.path.exists(socket_path)
+
+
+def test_health_and_reflection_are_served(server):
+    with grpc.insecure_channel(server.target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "kvservice.v1.Allocator"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=5))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {"kvservice.v1.Allocator", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize("flavor", available_flavors())
+def test_embedded_servers_run_redis_6_2_or_newer(flavor):
+    with EmbeddedRedis(flavor) as r:
+        major, minor = (int(x) for x in r.version().split(".")[:2])
+        assert (major, minor) >= (6, 2)
+        info = redis.Redis.from_url(r.url).info("server")
+        assert info["redis_version"].startswith(f"{major}.") or "valkey" in str(info).lower()
+
+
+def test_cli_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "kvservice", "--help"], capture_output=True, text=True, check=True)
+    for cmd in ("serve", "audit", "bench", "demo"):
+        assert cmd in out.stdout
+    out = subprocess.run([sys.executable, "-m", "kvservice", "serve", "--help"], capture_output=True, text=True,
+                         check=True)
+    assert "--redis-url" in out.stdout and "KVSERVICE_REDIS_URL" in out.stdout
+
+
+def test_serve_rejects_bad_settings():
+    out = subprocess.run([sys.executable, "-m", "kvservice", "serve", "--prefix-cache-scope", "nope"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "prefix_cache_scope" in out.stderr
+
+
+def test_demo_runs_end_to_end():
+    out = subprocess.run([sys.executable, "-m", "kvservice", "demo"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "request B (2 blocks cached)" in out.stdout and "cached=32" in out.stdout
+    assert "audit: ok" in out.stdout

@@ -1,0 +1,80 @@
+"""Pure functions: block hashes, sequence ids, settings, script headers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvservice import errors, hashing, lua
+from kvservice.config import Settings
+from kvservice.model import Geometry, format_sequence_id, parse_sequence_id
+
+
+def test_chained_hashes_match_block_by_block():
+    root = hashing.root_hash("acme")
+    tokens = list(range(40))
+    chain = hashing.chain_hashes(root, tokens, 16, 2)
+    assert chain[0] == hashing.block_hash(root, tokens[:16])
+    assert chain[1] == hashing.block_hash(chain[0], tokens[16:32])
+    assert len(chain[0]) == hashing.HASH_BYTES == 16
+
+
+def test_hashes_depend_on_salt_extra_key_parent_and_every_token():
+    a = hashing.root_hash("acme")
+    assert a != hashing.root_hash("other") and a != hashing.root_hash("acme", b"lora-1")
+    assert hashing.root_hash("ab", b"c") != hashing.root_hash("a", b"bc")
+    block = list(range(16))
+    h = hashing.block_hash(a, block)
+    assert h != hashing.block_hash(hashing.root_hash("other"), block)
+    for i in range(16):
+        changed = block.copy()
+        changed[i] += 1
+        assert hashing.block_hash(a, changed) != h
+    # Stable across processes (not Python's salted hash()).
+    code = "from kvservice import hashing; print(hashing.block_hash(hashing.root_hash('acme'), range(16)).hex())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
+    assert other == h.hex()
+    assert len({hashing.block_hash(a, [t] * 16) for t in range(1000)}) == 1000
+
+
+def test_sequence_ids_round_trip_and_reject_garbage():
+    assert parse_sequence_id(format_sequence_id("w-0.a", 3, 17)) == ("w-0.a", 3, 17)
+    for bad in ("", "w0", "w0/1", "w0/x/1", "w0/1/2/3", "w 0/1/2", "w0/-1/2"):
+        with pytest.raises(errors.InvalidArgument, match="malformed sequence_id"):
+            parse_sequence_id(bad)
+
+
+@pytest.mark.parametrize("bs", [0, 3, 6, 512, -16])
+def test_geometry_rejects_block_sizes_that_are_not_powers_of_two_up_to_256(bs):
+    with pytest.raises(errors.InvalidArgument, match="block_size must be a power of two"):
+        Geometry(8, bs, 1, 1, 64, "float16").check()
+
+
+def test_geometry_bytes_per_block():
+    g = Geometry(8, 16, 32, 8, 128, "bfloat16")
+    g.check()
+    assert g.bytes_per_block == 2 * 32 * 16 * 8 * 128 * 2
+
+
+def test_settings_read_env_and_flags_win():
+    s = Settings.from_env({"KVSERVICE_PORT": "7000", "KVSERVICE_REAP_INTERVAL": "0.25"}, port=7001)
+    assert (s.port, s.reap_interval) == (7001, 0.25)
+    with pytest.raises(ValueError, match="KVSERVICE_PORT"):
+        Settings.from_env({"KVSERVICE_PORT": "x"})
+    with pytest.raises(ValueError, match="prefix_cache_scope"):
+        Settings(prefix_cache_scope="everyone")
+    with pytest.raises(ValueError, match="max_items_per_call"):
+        Settings(max_items_per_call=0)
+
+
+@pytest.mark.parametrize("name", ["STEP", "REAP", "REGISTER", "PROBE", "LEASE_TOUCH", "LEASE_GRANT",
+                                  "LEASE_KEEPALIVE", "LEASE_ATTACH", "LEASE_REVOKE"])
+def test_every_script_documents_its_keys_args_and_reply(name):
+    body = getattr(lua, name).removeprefix(lua.LIB).removeprefix(lua.LEASE_LIB)
+    header = body.strip().splitlines()[:8]
+    text = "\n".join(header)
+    assert "KEYS" in text and "ARGV" in text and "Returns" in text, text
