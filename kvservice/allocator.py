@@ -109,7 +109,7 @@ class Allocator:
             lease_id = secrets.token_hex(8)
         ttl_ms = max(1, round(ttl_seconds * 1000))
         reply = await self.store.grant_lease({"lease": lease_id, "tenant": tenant, "ttl_ms": ttl_ms,
-                                              "digest": _digest("grant", tenant, ttl_ms),
+                                              "digest": _digest("grant", tenant, ttl_ms), "rid": request_id,
                                               "tombstone_ms": self._tombstone_ms()})
         return _lease_info(reply)
 
@@ -160,7 +160,7 @@ class Allocator:
         if current is None:
             raise errors.NotFound(f"pool {pool_id} is not registered")
         if current != epoch:
-            raise errors.FailedPrecondition(_stale(sequence_id, pool_id, epoch, current))
+            raise _epoch_error(sequence_id, pool_id, epoch, current)
         if rec is None:
             raise errors.NotFound(f"sequence {sequence_id} not found")
         _, geo = await self.geometry(pool_id)
@@ -190,7 +190,7 @@ class Allocator:
             if current != epoch:
                 current, geo = await self.geometry(pool_id, refresh=True)
                 if current != epoch:
-                    raise errors.FailedPrecondition(_stale(u.sequence_id, pool_id, epoch, current))
+                    raise _epoch_error(u.sequence_id, pool_id, epoch, current)
             by_pool[pool_id]["updates"].append((i, n, epoch, self._update_payload(u, n, epoch, geo)))
 
         tenant = ""
@@ -238,6 +238,11 @@ class Allocator:
                 continue
             self._collect(pool_id, by_pool[pool_id], lease_id, reply, outcome)
         if first_error is not None:
+            if not creates and isinstance(first_error, (errors.NotFound, errors.PermissionDenied)):
+                # Updates alone never look the lease up (a pool knows the leases of its
+                # sequences): a refused sequence may be the sign of an unknown, revoked or
+                # expired lease, and that is the error to report then.
+                await self._check_lease(lease_id)
             if len(pools) > 1:
                 first_error.partial = outcome
             raise first_error
@@ -315,6 +320,10 @@ class Allocator:
         self._leases[lease_id] = (tenant, attached)
         return tenant, int(reply["deadline"])
 
+    async def _check_lease(self, lease_id: str) -> None:
+        """Raises NotFound or FailedPrecondition unless the lease is live (writes nothing)."""
+        await self.store.attach_lease(lease_id, [], self._tombstone_ms())
+
     async def _place(self, c: Create, tenant: str) -> str:
         """The pool with the longest cached prefix of ``c``, then the most free blocks."""
         pools = await self.store.pool_ids()
@@ -390,9 +399,13 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def _stale(sequence_id: str, pool_id: str, epoch: int, current: int | None) -> str:
-    return (f"sequence {sequence_id} belongs to epoch {epoch} but pool {pool_id} was "
-            f"re-registered (epoch {current})")
+def _epoch_error(sequence_id: str, pool_id: str, epoch: int, current: int) -> errors.KvsError:
+    """A sequence id of an epoch that is not the pool's: stale (FAILED_PRECONDITION), or
+    one that the pool has not reached, so the sequence never existed (NOT_FOUND)."""
+    if epoch > current:
+        return errors.NotFound(f"sequence {sequence_id} not found: pool {pool_id} is at epoch {current}")
+    return errors.FailedPrecondition(f"sequence {sequence_id} belongs to epoch {epoch} but pool {pool_id} "
+                                     f"was re-registered (epoch {current})")
 
 
 def _check_pool_id(pool_id: str) -> None:

@@ -150,13 +150,6 @@ class Sequence:
         return [pb.BlockCommit(index=self._committed + i, token_ids=self._tail[i * bs:(i + 1) * bs])
                 for i in range(full)]
 
-    def _needs_rpc(self, added: int) -> bool:
-        if added == 0:
-            return False
-        if self._num_tokens + added > self.capacity:
-            return True
-        return not self._private and self._num_tokens % self.block_size != 0
-
     def _apply_commits(self, committed: int, last_hash: bytes) -> None:
         drop = (committed - self._committed) * self.block_size
         if drop:
@@ -222,40 +215,62 @@ class Client:
 
         Raises:
             kvservice.errors.ResourceExhausted: a pool ran short of blocks; nothing in that
-                pool changed (other pools of the step did: see ``partial``).
+                pool changed (other pools of the step did: their copy-on-write pairs,
+                children and created sequences are in the exception's ``result``, a
+                ``StepResult``; ``partial`` is the raw response).
             kvservice.errors.KvsError: any other refusal, with the same guarantee.
         """
-        appends = {s: list(t) for s, t in (appends or {}).items()}
+        if appends is None:
+            appends = {}
+        elif appends.__class__ is not dict or not all(t.__class__ is list for t in appends.values()):
+            appends = {s: list(t) for s, t in appends.items()}   # (a dict of lists is only read)
         forks = dict(forks or {})
         frees = list(frees)
         creates = [c if isinstance(c, tuple) else (list(c), "", b"") for c in creates]
         _check_step(self, appends, forks, frees)
-        request = pb.StepRequest(lease_id=self.lease_id, request_id=_request_id())
+        # Plan without building anything for the (many) sequences that stay local: this
+        # loop runs over every sequence of every decode step (see docs/benchmark.md).
         order: list[Sequence] = []
-        for s in dict.fromkeys([*frees, *forks, *appends]):
-            added = len(appends.get(s, ()))
-            rpc = s in forks or s in frees or s._needs_rpc(added)
-            if not rpc:
+        riders: list[Sequence] = []   # no RPC of their own, but blocks to commit
+        local: list[tuple[Sequence, list[int]]] = []   # appends that stay in the process
+        free_set = set(frees)
+        planned = ([(s, appends.get(s)) for s in dict.fromkeys([*frees, *forks, *appends])]
+                   if frees or forks else appends.items())
+        for s, tokens in planned:
+            added = len(tokens) if tokens else 0
+            n = s._num_tokens
+            # An RPC when it frees or forks, outgrows its block table, or writes into a
+            # partial last block that may be shared.
+            if not ((forks and s in forks) or (free_set and s in free_set)
+                    or (added and (n + added > len(s._table) * s.block_size
+                                   or (not s._private and n % s.block_size != 0)))):
+                if n // s.block_size > s._committed:
+                    riders.append(s)
+                else:
+                    local.append((s, tokens))
                 continue
             order.append(s)
-            request.updates.append(pb.SeqUpdate(
-                sequence_id=s.id, num_tokens=s._num_tokens, parent_hash=s._last_hash,
-                commits=s._pending_commits(), free=s in frees,
-                fork_grow_to=[s._num_tokens + len(t) for t in forks.get(s, ())],
-                grow_to=s._num_tokens + added if added else 0))
-        for tokens, pool, extra in creates:
-            request.creates.append(pb.CreateOp(token_ids=tokens, pool_id=pool, extra_key=extra))
         result = StepResult()
-        if not request.updates and not request.creates:
+        if not order and not creates:
             for s, tokens in appends.items():
-                _grow_locally(s, tokens)
+                s._tail.extend(tokens)
+                s._num_tokens += len(tokens)
             return result
+        request = pb.StepRequest(lease_id=self.lease_id, request_id=_request_id())
+        for s in order:
+            added = len(appends.get(s, ()))
+            request.updates.add(
+                sequence_id=s.id, num_tokens=s._num_tokens, parent_hash=s._last_hash,
+                commits=s._pending_commits(), free=s in free_set,
+                fork_grow_to=[s._num_tokens + len(t) for t in forks.get(s, ())],
+                grow_to=s._num_tokens + added if added else 0)
+        for tokens, pool, extra in creates:
+            request.creates.add(token_ids=tokens, pool_id=pool, extra_key=extra)
         # Sequences with blocks to commit ride along for free.
-        riders = [s for s in appends if s not in order and s._pending_commits()]
         for s in riders:
             order.append(s)
-            request.updates.append(pb.SeqUpdate(sequence_id=s.id, num_tokens=s._num_tokens,
-                                                parent_hash=s._last_hash, commits=s._pending_commits()))
+            request.updates.add(sequence_id=s.id, num_tokens=s._num_tokens,
+                                parent_hash=s._last_hash, commits=s._pending_commits())
         result.rpc = True
         try:
             response = self._call(self.stub.Step, request)
@@ -267,13 +282,17 @@ class Client:
             failed = {u.sequence_id.split("/")[0] for u in request.updates} | {c.pool_id for c in request.creates}
             failed -= {d.sequence_id.split("/")[0] for d in response.updates if d.sequence_id}
             failed -= {c.pool_id for c in response.created if c.sequence_id}
-            self._apply(response, order, appends, forks, frees, creates, failed, result)
+            self._apply(response, order, appends, forks, frees, creates, failed, result, local)
+            exc.result = result  # the applied pools' copies, children and creates
             raise
-        self._apply(response, order, appends, forks, frees, creates, failed, result)
+        self._apply(response, order, appends, forks, frees, creates, failed, result, local)
         return result
 
     def _apply(self, response: pb.StepResponse, order: list[Sequence], appends: dict, forks: dict,
-               frees: list, creates: list, failed: set[str], result: StepResult) -> None:
+               frees: list, creates: list, failed: set[str], result: StepResult,
+               local: list[tuple[Sequence, list[int]]] | None = None) -> None:
+        """Applies a step's response; ``local``: the appends that took no part in the RPC
+        (default: every append whose sequence is not in ``order``)."""
         for s, d in zip(order, response.updates):
             if not d.sequence_id:
                 continue
@@ -300,9 +319,14 @@ class Client:
                 s._private = True
             elif s in forks:
                 s._private = False
-        for s, tokens in appends.items():
-            if s not in order and s.pool not in failed:
-                _grow_locally(s, tokens)
+        if local is None:
+            ordered = set(order)
+            local = [(s, tokens) for s, tokens in appends.items() if s not in ordered]
+        if failed:
+            local = [(s, tokens) for s, tokens in local if s.pool not in failed]
+        for s, tokens in local:   # no allocator change: the tokens fit in a private block
+            s._tail.extend(tokens)
+            s._num_tokens += len(tokens)
         for state, (tokens, _, _) in zip(response.created, creates):
             if state.sequence_id:
                 c = state.num_committed_blocks * state.block_size
@@ -414,11 +438,6 @@ def _request_id() -> str:
     return uuid.uuid4().hex
 
 
-def _grow_locally(s: Sequence, tokens: list[int]) -> None:
-    s._tail.extend(tokens)
-    s._num_tokens += len(tokens)
-
-
 def _check_step(client: Client, appends: dict, forks: dict, frees: list) -> None:
     seen = defaultdict(int)
     for s in frees:
@@ -430,12 +449,16 @@ def _check_step(client: Client, appends: dict, forks: dict, frees: list) -> None
             raise ValueError(f"{s!r} is not a sequence of this client")
         if s.freed:
             raise ValueError(f"sequence {s.id} was freed")
-        if s in seen and (s in appends or s in forks):
+        if seen and s in seen and (s in appends or s in forks):
             raise ValueError(f"sequence {s.id} cannot be freed and appended to or forked in one step")
     for s, tokens in appends.items():
         for t in tokens:
-            if not isinstance(t, int) or isinstance(t, bool):
+            if t.__class__ is not int and (not isinstance(t, int) or isinstance(t, bool)):
                 raise TypeError(f"token ids must be int, got {t!r} for sequence {s.id}")
     for s, children in forks.items():
         if not isinstance(children, list) or not all(isinstance(c, list) for c in children):
             raise TypeError(f"forks[{s.id}] must be a list with one token list per child")
+        # A child's tokens stay local until its block is committed: check them now.
+        for t in (t for tokens in children for t in tokens):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"token ids must be int, got {t!r} for a child of sequence {s.id}")

@@ -21,6 +21,9 @@ class KvsError(Exception):
         #: For a step over several pools: the results of the pools that were applied
         #: before this one failed (a ``StepResponse``), else None.
         self.partial = partial
+        #: Set by ``Client.step`` when ``partial`` is: the ``StepResult`` of the applied
+        #: pools (copy-on-write pairs to apply, children and created sequences to keep).
+        self.result: object | None = None
 
 
 class NotFound(KvsError):

@@ -271,7 +271,7 @@ local ok, plan = pcall(function()
   local attach = false
   if not (dl and dl > now) then
     if dl or redis.call('ZSCORE', K_DEAD, p.lease) then
-      bad('FAILED_PRECONDITION', 'lease ' .. p.lease .. ' has expired; its sequences were freed')
+      bad('FAILED_PRECONDITION', 'lease ' .. p.lease .. ' has expired or was revoked; its sequences were freed')
     end
     if #creates > 0 then
       if p.lease_deadline == 0 then bad('LEASE_UNKNOWN', 'lease ' .. p.lease .. ' is not attached to ' .. p.pool) end
@@ -388,12 +388,23 @@ local ok, plan = pcall(function()
     end
   end
 
+  -- Checked before placeholders are made: a grow_to near 2^31 would otherwise plan
+  -- millions of blocks (and hold Redis for seconds) before the limit is seen.
+  local function need_blocks(n)
+    if nplace + n > p.max_blocks then
+      bad('INVALID_ARGUMENT', 'the step needs at least ' .. (nplace + n) .. ' new blocks; at most ' ..
+        p.max_blocks .. ' per call')
+    end
+  end
+
   local copies = {}
   local function grow(rec, g)
     local cow = nil
     if g <= rec.t then return {}, nil end
     local nb = #rec.b
-    if rec.t % bs ~= 0 and refs[rec.b[nb]] > 1 then
+    local shared_tail = rec.t % bs ~= 0 and refs[rec.b[nb]] > 1
+    need_blocks(math.ceil(g / bs) - nb + (shared_tail and 1 or 0))
+    if shared_tail then
       local src = rec.b[nb]
       local dst = placeholder()
       refs[src] = refs[src] - 1
@@ -460,6 +471,7 @@ local ok, plan = pcall(function()
       refs[b] = refs[b] + 1
       rec.b[i] = b
     end
+    need_blocks(math.ceil(c.n / bs) - #hits)
     for i = #hits + 1, math.ceil(c.n / bs) do
       local b = placeholder()
       rec.b[i] = b
@@ -727,7 +739,7 @@ end
 """
 
 LEASE_GRANT = LEASE_LIB + r"""
--- KEYS: lease hash, lease pools set. ARGV[1]: JSON {lease, tenant, ttl_ms, digest, tombstone_ms}
+-- KEYS: lease hash, lease pools set. ARGV[1]: JSON {lease, tenant, ttl_ms, digest, rid, tombstone_ms}
 -- Returns JSON {lease, tenant, ttl_ms, deadline}; a retried grant (same digest) returns
 -- the lease as it is now.
 local p = cjson.decode(ARGV[1])
@@ -735,7 +747,8 @@ local now = now_ms()
 local have = redis.call('HMGET', K_LEASE, 'digest', 'tenant', 'ttl_ms', 'deadline')
 if have[1] then
   if have[1] ~= p.digest then
-    return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'request_id was already used with different arguments'})
+    return cjson.encode({err = 'INVALID_ARGUMENT',
+      msg = 'request_id ' .. p.rid .. ' was already used with different arguments'})
   end
   return cjson.encode({lease = p.lease, tenant = have[2], ttl_ms = tonumber(have[3]), deadline = tonumber(have[4])})
 end

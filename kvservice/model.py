@@ -132,11 +132,16 @@ class PoolInfo:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+#: ``<pool>/<epoch>/<n>``: ASCII digits only (``str.isdigit`` also takes "²" and "١"), and
+#: few enough of them to stay exact in the scripts' Lua numbers (doubles).
+SEQUENCE_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{1,15})/([0-9]{1,15})")
+
+
 def parse_sequence_id(sequence_id: str) -> tuple[str, int, int]:
     """``"<pool>/<epoch>/<n>"`` -> (pool, epoch, n); InvalidArgument when malformed."""
-    parts = sequence_id.split("/")
-    if len(parts) == 3 and POOL_ID.fullmatch(parts[0]) and parts[1].isdigit() and parts[2].isdigit():
-        return parts[0], int(parts[1]), int(parts[2])
+    m = SEQUENCE_ID.fullmatch(sequence_id)
+    if m:
+        return m.group(1), int(m.group(2)), int(m.group(3))
     raise errors.InvalidArgument(f"malformed sequence_id {sequence_id!r} (expected <pool>/<epoch>/<n>)")
 
 

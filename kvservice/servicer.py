@@ -6,8 +6,8 @@ from typing import Any
 
 from kvservice.allocator import Allocator
 from kvservice.audit import audit_pool
-from kvservice.errors import InvalidArgument
-from kvservice.model import Commit, Create, Geometry, LeaseInfo, PoolInfo, SeqDelta, SeqState, StepOutcome, Update
+from kvservice.errors import InvalidArgument, NotFound
+from kvservice.model import POOL_ID, Commit, Create, Geometry, LeaseInfo, PoolInfo, SeqDelta, SeqState, StepOutcome, Update
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -123,6 +123,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return seq_to_pb(out.updates[0].children[0])
 
     async def FreeSequences(self, request: pb.FreeSequencesRequest, context: Any) -> pb.FreeSequencesResponse:
+        if not request.sequence_ids:
+            raise InvalidArgument("FreeSequences needs at least one sequence_id")
         updates = [Update(s, free=True) for s in request.sequence_ids]
         out = await self.a.step(request.lease_id, updates, [], request.request_id)
         return pb.FreeSequencesResponse(num_sequences_freed=sum(1 for d in out.updates if d and d.freed))
@@ -137,12 +139,16 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
 async def run_audit(allocator: Allocator, pool_id: str = "") -> tuple[list[str], list[PoolInfo]]:
     """Audits one pool (or all); returns the problems and each pool's stats."""
+    if pool_id and not POOL_ID.fullmatch(pool_id):
+        raise InvalidArgument(f"malformed pool_id {pool_id!r}")
     pools = [pool_id] if pool_id else await allocator.store.pool_ids()
     problems: list[str] = []
     infos: list[PoolInfo] = []
     for p in pools:
         snap = await allocator.store.snapshot(p)
         if snap is None:
+            if pool_id:
+                raise NotFound(f"pool {pool_id} is not registered")
             continue
         problems += audit_pool(p, snap, snap["counts"])
         infos.append(await allocator.describe_pool(p))

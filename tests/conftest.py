@@ -60,3 +60,11 @@ def server(any_redis_url):
 def client(server):
     with Client(server.target, tenant="t1", lease_ttl=30.0) as c:
         yield c
+
+
+def pytest_report_header(config):
+    versions = []
+    for flavor in FLAVORS:
+        with EmbeddedRedis(flavor) as r:
+            versions.append(f"{flavor} {r.version()}")
+    return f"Redis servers under test: {', '.join(versions)}"

@@ -1,0 +1,38 @@
+"""``kvservice bench`` runs end to end and reports every figure (no assertion on speed:
+timed tests flake; the measured numbers live in docs/benchmark.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REQUIRED = ("floor_us", "step_p50_us", "step_p99_us", "rpcs_per_step", "alloc_us_per_token",
+            "create_cold_2k_us", "create_cached_2k_us", "fork_us", "free_us")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_json_has_every_figure():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvservice", "bench", "--sequences", "16", "--steps", "40",
+         "--repeat", "10", "--json"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fig = json.loads(proc.stdout)
+    for key in REQUIRED:
+        assert key in fig, f"missing {key}"
+        assert isinstance(fig[key], (int, float)) and fig[key] > 0, f"{key} = {fig[key]!r}"
+    # Block-boundary crossings are spread over the steps: some RPC most steps, never more than one.
+    assert 0 < fig["rpcs_per_step"] <= 1
+    assert fig["floor_us"] >= fig["grpc_rtt_us"] and fig["floor_us"] >= fig["redis_ping_us"]
+    assert fig["audit_ok"] is True
+    assert set(fig["targets"]) == {"step_p99_us", "alloc_us_per_token", "create_cached_2k_us"}
+    assert fig["targets_met"] in (True, False)
+
+
+def test_bench_target_needs_redis_url():
+    proc = subprocess.run([sys.executable, "-m", "kvservice", "bench", "--target", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "--redis-url" in proc.stderr
