@@ -18,7 +18,7 @@ from kvservice.config import Settings
 from kvservice.model import (LEASE_ID, POOL_ID, REQUEST_ID, TENANT, Create, Geometry, LeaseInfo,
                              PoolInfo, SeqDelta, SeqState, StepOutcome, Update, check_token_ids,
                              format_sequence_id, parse_sequence_id)
-from kvservice.store import STALE_EPOCH, ScriptError, Store
+from kvservice.store import STALE_EPOCH, ScriptError, Store, blocks_of
 
 log = logging.getLogger(__name__)
 MAX_INT = 2**31 - 1
@@ -177,7 +177,6 @@ class Allocator:
         if len(updates) + len(creates) > s.max_items_per_call:
             raise errors.InvalidArgument(
                 f"too many items: {len(updates) + len(creates)} in one call, at most {s.max_items_per_call}")
-        digest = _digest("step", lease_id, updates, creates)
 
         by_pool: dict[str, dict[str, list]] = defaultdict(lambda: {"updates": [], "creates": []})
         seen: set[str] = set()
@@ -212,8 +211,8 @@ class Allocator:
             lease_deadline = 0
         outcome = StepOutcome([None] * len(updates), [None] * len(creates), [])
         pools = list(by_pool)
-        payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_deadline,
-                                             request_id, digest) for p in pools]
+        payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_deadline, request_id)
+                    for p in pools]
         replies = await self.store.step(payloads)
         first_error: errors.KvsError | None = None
         for pool_id, payload, reply in zip(pools, payloads, replies):
@@ -226,7 +225,7 @@ class Allocator:
                     self._leases.pop(lease_id, None)
                     tenant, lease_deadline = await self._attach(lease_id, [pool_id])
                 payload = await self._pool_payload(pool_id, by_pool[pool_id], lease_id, tenant,
-                                                   lease_deadline, request_id, digest)
+                                                   lease_deadline, request_id)
                 reply = (await self.store.step([payload]))[0]
             if isinstance(reply, Exception):
                 if isinstance(reply, errors.ResourceExhausted):
@@ -250,7 +249,8 @@ class Allocator:
 
     # ------------------------------------------------------------ helpers
 
-    def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry) -> dict[str, Any]:
+    def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry) -> str:
+        """The update's line for the step script (see ``lua.STEP``)."""
         bs = geo.block_size
         for name, value in (("num_tokens", u.num_tokens), ("grow_to", u.grow_to)):
             if not -1 <= value <= MAX_INT or (name == "grow_to" and value < 0):
@@ -275,6 +275,9 @@ class Allocator:
                 raise errors.InvalidArgument(
                     f"sequence {u.sequence_id}: parent_hash must be {hashing.HASH_BYTES} bytes")
             first = u.commits[0].index
+            if first < 0:
+                raise errors.InvalidArgument(
+                    f"sequence {u.sequence_id}: commit starts at block {first}; block indexes start at 0")
             parent = u.parent_hash
             for j, c in enumerate(u.commits):
                 if c.index != first + j:
@@ -286,24 +289,28 @@ class Allocator:
                 check_token_ids(c.token_ids, f"sequence {u.sequence_id}")
                 parent = hashing.block_hash(parent, c.token_ids)
                 hashes.append(parent.hex())
-        return {"s": n, "e": epoch, "t": u.num_tokens, "ph": u.parent_hash.hex(), "ci": first,
-                "cm": hashes, "free": u.free, "fk": list(u.fork_grow_to), "g": u.grow_to}
+        return (f"{n} {epoch} {u.num_tokens} {u.grow_to} {1 if u.free else 0} {first} "
+                f"{u.parent_hash.hex() or '-'} {','.join(map(str, u.fork_grow_to)) or '-'} {''.join(hashes) or '-'}")
 
     async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
-                            lease_deadline: int, request_id: str, digest: str) -> dict[str, Any]:
-        """One pool's script payload. ``lease_deadline`` is 0 when the lease is known to be
-        attached to the pool already (the script then reads its deadline there)."""
+                            lease_deadline: int, request_id: str) -> dict[str, Any]:
+        """One pool's script call: a JSON header and the items as lines of text.
+        ``lease_deadline`` is 0 when the lease is known to be attached to the pool already
+        (the script then reads its deadline there)."""
         epoch, geo = await self.geometry(pool_id)
-        creates = []
+        lines = []
         for _, c in items["creates"]:
             root = hashing.root_hash(self._salt(tenant), c.extra_key)
             nfull = len(c.token_ids) // geo.block_size
             hs = hashing.chain_hashes(root, c.token_ids, geo.block_size, nfull)
-            creates.append({"e": epoch, "n": len(c.token_ids), "root": root.hex(), "hs": [h.hex() for h in hs]})
-        return {"pool": pool_id, "rid": request_id, "digest": digest, "req_ttl_ms": self._request_ttl_ms(),
-                "lease": lease_id, "lease_deadline": lease_deadline,
-                "max_blocks": self.settings.max_blocks_per_call,
-                "updates": [u[3] for u in items["updates"]], "creates": creates}
+            lines.append(f"{epoch} {len(c.token_ids)} {root.hex()} {b''.join(hs).hex() or '-'}")
+        argv = ["\n".join(u[3] for u in items["updates"]), "\n".join(lines)]
+        # The request's identity for retries: the pool's items, not the volatile header.
+        digest = hashlib.sha256(f"{lease_id}\x1f{argv[0]}\x1f{argv[1]}".encode()).hexdigest() if request_id else ""
+        header = {"pool": pool_id, "rid": request_id, "digest": digest, "req_ttl_ms": self._request_ttl_ms(),
+                  "lease": lease_id, "lease_deadline": lease_deadline,
+                  "max_blocks": self.settings.max_blocks_per_call}
+        return {"pool": pool_id, "rid": request_id, "header": header, "argv": argv}
 
     async def _attach(self, lease_id: str, pools: list[str]) -> tuple[str, int]:
         """The lease's tenant and deadline, attaching it to ``pools``; the deadline is 0 when
@@ -353,7 +360,7 @@ class Allocator:
             cow = tuple(d["cow"]) if d.get("cow") else None
             children = [_state(pool_id, epoch, int(k["n"]), k, lease_id, bs) for k in _list(d.get("kids"))]
             outcome.updates[i] = SeqDelta(format_sequence_id(pool_id, epoch, n), int(d["t"]),
-                                          [int(b) for b in _list(d.get("nb"))], cow, int(d["c"]),
+                                          blocks_of(d.get("nb") or ""), cow, int(d["c"]),
                                           bytes.fromhex(d["h"]), children, bool(d.get("freed")))
         for (i, _), rec in zip(items["creates"], _list(reply.get("created"))):
             outcome.created[i] = _state(pool_id, epoch, int(rec["n"]), rec, lease_id, bs)
@@ -381,8 +388,9 @@ def _neg(s: str) -> tuple[int, ...]:
 def _state(pool_id: str, epoch: int, n: int, rec: dict[str, Any], lease_id: str = "",
            block_size: int = 0) -> SeqState:
     cow = tuple(rec["cow"]) if rec.get("cow") else None
+    table = rec.get("b") or []
     return SeqState(format_sequence_id(pool_id, epoch, n), pool_id, epoch, rec.get("l", lease_id),
-                    [int(b) for b in _list(rec.get("b"))], int(rec["t"]), int(rec.get("k", 0)),
+                    blocks_of(table) if isinstance(table, str) else list(table), int(rec["t"]), int(rec.get("k", 0)),
                     int(rec["c"]), bytes.fromhex(rec["h"]), cow, block_size)
 
 

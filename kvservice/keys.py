@@ -14,11 +14,13 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``ref``    hash: block id -> ref count, for referenced blocks only
 - ``h2b``    hash: block hash (hex) -> block id
 - ``b2h``    hash: block id -> block hash (hex)
-- ``seqs``   hash: sequence number -> JSON record ``{l, t, c, h, b, k}``
+- ``seqs``   hash: sequence number -> ``"<lease> <num_tokens> <committed blocks>
+  <cached tokens> <last hash>"``
 - ``leases`` zset: lease id -> deadline (ms, Redis clock)
 - ``lseq``   zset (score 0): ``<lease>:<seq number>``, read by lexicographic range
 - ``dead``   zset: lease id -> when it was reaped (tombstones, one hour)
 - ``stats``  hash: counters since the epoch began
+- ``tabs``   hash: sequence number -> its block table, 6 hex digits per block id
 
 Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
 """
@@ -28,11 +30,11 @@ from __future__ import annotations
 PREFIX = "kvs"
 POOLS = f"{PREFIX}:pools"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
-                  "leases", "lseq", "dead", "stats")
+                  "leases", "lseq", "dead", "stats", "tabs")
 
 
 def pool_keys(pool_id: str) -> list[str]:
-    """The 12 keys of one pool, in script KEYS order."""
+    """The 13 keys of one pool, in script KEYS order."""
     return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
 
 

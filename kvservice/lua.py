@@ -2,9 +2,10 @@
 
 Conventions (see ``kvservice.keys`` for the key layout):
 
-- Pool scripts get the 12 pool keys as ``KEYS[1..12]`` and, where they are idempotent,
-  the request key as ``KEYS[13]``; lease scripts get the lease's two keys.
-- ``ARGV[1]`` is a JSON payload; every script returns a JSON string: the result, or
+- Pool scripts get the 13 pool keys as ``KEYS[1..13]`` and, where they are idempotent,
+  the request key as ``KEYS[14]``; lease scripts get the lease's two keys.
+- ``ARGV[1]`` is a JSON payload (the step script takes its items as lines of text in
+  ARGV[2..3], cheaper to pass and read than JSON); every script returns a JSON string: the result, or
   ``{"err": <gRPC code name>, "msg": ..., ...}``. Python turns error codes into
   ``kvservice.errors`` exceptions.
 - Validate first, write after: a script plans the whole call in Lua tables (reference
@@ -20,8 +21,9 @@ from __future__ import annotations
 LIB = r"""
 local K_META, K_STATE, K_FREE, K_EVICT, K_REF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_H2B, K_B2H, K_SEQS, K_LEASES, K_LSEQ = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local K_DEAD, K_STATS = KEYS[11], KEYS[12]
+local K_DEAD, K_STATS, K_TABS = KEYS[11], KEYS[12], KEYS[13]
 local CHUNK = 4000
+local W = 6   -- hex digits per block id in a stored block table
 
 local function bad(code, msg, extra)
   error({code = code, msg = msg, extra = extra}, 0)
@@ -68,7 +70,7 @@ end
 -- Idempotency: returns the stored outcome of a request id, or nil.
 local function replay(p)
   if p.rid == nil or p.rid == '' then return nil end
-  local prev = redis.call('GET', KEYS[13])
+  local prev = redis.call('GET', KEYS[14])
   if not prev then return nil end
   local cut = string.find(prev, '\n', 1, true)
   if string.sub(prev, 1, cut - 1) ~= p.digest then
@@ -80,7 +82,7 @@ end
 
 local function remember(p, out)
   if p.rid ~= nil and p.rid ~= '' then
-    redis.call('SET', KEYS[13], p.digest .. '\n' .. out, 'PX', p.req_ttl_ms)
+    redis.call('SET', KEYS[14], p.digest .. '\n' .. out, 'PX', p.req_ttl_ms)
   end
   return out
 end
@@ -122,10 +124,53 @@ local function decref(b)
   if refs[b] == 0 then zero[#zero + 1] = b end
 end
 
+-- Sequence records: ``seqs`` holds "<lease> <num_tokens> <committed> <cached> <last hash>",
+-- ``tabs`` the block table as W hex digits per block. A loaded record is read lazily:
+-- rec.tab / rec.nb as stored, rec.cowlast replacing its last block, rec.add appended.
+local function load_rec(meta, tab)
+  local l, t, c, k, h = string.match(meta, '^(%S+) (%d+) (%d+) (%d+) (%x+)$')
+  tab = tab or ''
+  return {l = l, t = tonumber(t), c = tonumber(c), k = tonumber(k), h = h, tab = tab, nb = #tab / W, add = {}}
+end
+
+local function meta_string(rec)
+  return rec.l .. ' ' .. rec.t .. ' ' .. rec.c .. ' ' .. rec.k .. ' ' .. rec.h
+end
+
+local function hexid(b)
+  return string.format('%06x', b)
+end
+
+local function rec_len(rec)
+  return rec.nb + #rec.add
+end
+
+local function rec_block(rec, i)
+  if i > rec.nb then return rec.add[i - rec.nb] end
+  if i == rec.nb and rec.cowlast then return rec.cowlast end
+  return tonumber(string.sub(rec.tab, i * W - W + 1, i * W), 16)
+end
+
+local function rec_blocks(rec)
+  local out = {}
+  for i = 1, rec_len(rec) do out[i] = rec_block(rec, i) end
+  return out
+end
+
+-- The table to store, placeholders resolved through map.
+local function rec_tab(rec, map)
+  local parts = {rec.tab}
+  if rec.cowlast then
+    parts[1] = string.sub(rec.tab, 1, (rec.nb - 1) * W) .. hexid(map[rec.cowlast] or rec.cowlast)
+  end
+  for _, b in ipairs(rec.add) do parts[#parts + 1] = hexid(map[b] or b) end
+  return table.concat(parts)
+end
+
 -- Drops one sequence record's references, last block first (so that a chain's tail is
 -- evicted before its head).
 local function release(rec)
-  for i = #rec.b, 1, -1 do decref(rec.b[i]) end
+  for i = rec_len(rec), 1, -1 do decref(rec_block(rec, i)) end
 end
 
 -- Blocks that leave the evictable set or reach 0 do so here; returns how many blocks
@@ -240,22 +285,48 @@ end
 
 # One engine step in one pool: commits, frees, forks, growth (with copy-on-write), creates.
 STEP = LIB + r"""
--- KEYS[1..12]: pool keys; KEYS[13]: request key.
--- ARGV[1]: JSON {pool, rid, digest, req_ttl_ms, lease, lease_deadline, max_blocks,
---   updates = [{s = seq number, e = epoch, t = num_tokens (-1: the allocator's), ph = parent hash hex,
---               ci = first commit index, cm = [hash hex], free = bool,
---               fk = [child grow_to], g = grow_to}],
---   creates = [{e = epoch, n = prompt length, root = hex, hs = [full block hash hex]}]}
--- Returns JSON {epoch, updates = [{t, nb, cow, c, h, freed, kids}], created = [rec],
---   copies = [[src, dst]]}, or an error.
+-- KEYS[1..13]: pool keys; KEYS[14]: request key.
+-- ARGV[1]: JSON {pool, rid, digest, req_ttl_ms, lease, lease_deadline, max_blocks}
+-- ARGV[2]: the updates, one line each: "<seq number> <epoch> <num_tokens (-1: the
+--   allocator's)> <grow_to> <free 1|0> <first commit index> <parent hash hex|-> <fork grow_to
+--   values, comma separated|-> <commit hashes, 32 hex digits each, concatenated|->".
+-- ARGV[3]: the creates, one line each: "<epoch> <prompt length> <root hash> <full-block
+--   hashes concatenated|->". (Few long arguments: each argument costs a few microseconds.)
+-- Returns JSON {epoch, updates = [{t, c, h, nb, cow, freed, kids}], created = [rec],
+--   copies = [[src, dst]]} (tables as 6-hex-digit strings), or an error.
 local p = cjson.decode(ARGV[1])
 local prev = replay(p)
 if prev then return prev end
 
+local function split_hashes(s)
+  local out = {}
+  if s == '-' then return out end
+  for j = 1, #s / 32 do out[j] = string.sub(s, j * 32 - 31, j * 32) end
+  return out
+end
+
+local ups, creates = {}, {}
+for line in string.gmatch(ARGV[2], '[^\n]+') do
+  local s, e, t, g, free, ci, ph, fks, cms = string.match(line,
+    '^(%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%S+) (%S+) (%S+)$')
+  if not s then return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'malformed update: ' .. line}) end
+  local fk = {}
+  if fks ~= '-' then
+    for x in string.gmatch(fks, '%d+') do fk[#fk + 1] = tonumber(x) end
+  end
+  if ph == '-' then ph = '' end
+  ups[#ups + 1] = {s = s, e = tonumber(e), t = tonumber(t), g = tonumber(g), free = free == '1',
+                   ci = tonumber(ci), ph = ph, fk = fk, cm = split_hashes(cms)}
+end
+for line in string.gmatch(ARGV[3], '[^\n]+') do
+  local e, n, root, hs = string.match(line, '^(%d+) (%d+) (%x+) (%S+)$')
+  if not e then return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'malformed create: ' .. line}) end
+  creates[#creates + 1] = {e = tonumber(e), n = tonumber(n), root = root, hs = split_hashes(hs)}
+end
+
 local ok, plan = pcall(function()
   local epoch, num_blocks, bs = pool_meta(p.pool)
   local now = now_ms()
-  local ups, creates = p.updates, p.creates
   for _, u in ipairs(ups) do
     if u.e ~= epoch then
       bad('FAILED_PRECONDITION', 'sequence ' .. p.pool .. '/' .. u.e .. '/' .. u.s ..
@@ -287,20 +358,21 @@ local ok, plan = pcall(function()
   if #ups > 0 then
     local fields = {}
     for i, u in ipairs(ups) do fields[i] = u.s end
-    local raw = hmget_chunked(K_SEQS, fields)
+    local metas = hmget_chunked(K_SEQS, fields)
+    local tabs = hmget_chunked(K_TABS, fields)
     for i, u in ipairs(ups) do
       local sid = p.pool .. '/' .. u.e .. '/' .. u.s
-      if not raw[i] then bad('NOT_FOUND', 'sequence ' .. sid .. ' not found') end
-      local rec = cjson.decode(raw[i])
+      if not metas[i] then bad('NOT_FOUND', 'sequence ' .. sid .. ' not found') end
+      local rec = load_rec(metas[i], tabs[i])
       if rec.l ~= p.lease then bad('PERMISSION_DENIED', 'sequence ' .. sid .. ' belongs to another lease') end
       if u.t < 0 then u.t = rec.t end
       if u.t < rec.t then
         bad('INVALID_ARGUMENT', 'sequence ' .. sid .. ': num_tokens ' .. u.t ..
           ' is below the allocator\'s ' .. rec.t)
       end
-      if u.t > #rec.b * bs then
+      if u.t > rec.nb * bs then
         bad('INVALID_ARGUMENT', 'sequence ' .. sid .. ': num_tokens ' .. u.t ..
-          ' exceeds its block table (' .. #rec.b .. ' blocks of ' .. bs .. ')')
+          ' exceeds its block table (' .. rec.nb .. ' blocks of ' .. bs .. ')')
       end
       rec.sid = sid
       recs[i] = rec
@@ -312,18 +384,19 @@ local ok, plan = pcall(function()
   for i, u in ipairs(ups) do
     local rec = recs[i]
     if u.free or #u.fk > 0 then
-      for _, b in ipairs(rec.b) do want[#want + 1] = b end
-    elseif #rec.b > 0 then
-      want[#want + 1] = rec.b[#rec.b]
+      rec.blocks = rec_blocks(rec)
+      for _, b in ipairs(rec.blocks) do want[#want + 1] = b end
+    elseif rec.nb > 0 then
+      want[#want + 1] = rec_block(rec, rec.nb)
     end
   end
   load_refs(want)
 
   -- Phase 1: sync lengths and commit full blocks.
-  local commit_hashes = {}
+  local commit_hashes, commit_blocks = {}, {}
   for i, u in ipairs(ups) do
     local rec = recs[i]
-    if u.t > rec.t and rec.t % bs ~= 0 and refs[rec.b[#rec.b]] > 1 then
+    if u.t > rec.t and rec.t % bs ~= 0 and refs[rec_block(rec, rec.nb)] > 1 then
       bad('FAILED_PRECONDITION', 'sequence ' .. rec.sid .. ': tokens were appended into its shared last block without a step')
     end
     rec.t = u.t
@@ -340,7 +413,10 @@ local ok, plan = pcall(function()
         bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': block ' .. (last - 1) ..
           ' is not full at num_tokens ' .. u.t)
       end
-      for j, h in ipairs(u.cm) do commit_hashes[#commit_hashes + 1] = h end
+      for j, h in ipairs(u.cm) do
+        commit_hashes[#commit_hashes + 1] = h
+        commit_blocks[#commit_blocks + 1] = rec_block(rec, u.ci + j)
+      end
       rec.c = last
       rec.h = u.cm[#u.cm]
     end
@@ -360,18 +436,13 @@ local ok, plan = pcall(function()
     end
   end
   local pending, regs = {}, {}   -- hash -> block, and the list of {hash, block} to write
-  for i, u in ipairs(ups) do
-    local rec = recs[i]
-    if #u.cm > 0 then
-      local blocks = {}
-      for j = 1, #u.cm do blocks[j] = rec.b[u.ci + j] end
-      local cur = hmget_chunked(K_B2H, blocks)
-      for j, h in ipairs(u.cm) do
-        local b = blocks[j]
-        if not known[h] and not pending[h] and not cur[j] then
-          pending[h] = b
-          regs[#regs + 1] = {h, b}
-        end
+  if #commit_blocks > 0 then
+    local cur = hmget_chunked(K_B2H, commit_blocks)
+    for j, h in ipairs(commit_hashes) do
+      local b = commit_blocks[j]
+      if not known[h] and not pending[h] and not cur[j] then
+        pending[h] = b
+        regs[#regs + 1] = {h, b}
       end
     end
   end
@@ -399,27 +470,24 @@ local ok, plan = pcall(function()
 
   local copies = {}
   local function grow(rec, g)
-    local cow = nil
-    if g <= rec.t then return {}, nil end
-    local nb = #rec.b
-    local shared_tail = rec.t % bs ~= 0 and refs[rec.b[nb]] > 1
+    if g <= rec.t then return nil end
+    local nb = rec_len(rec)
+    local last = rec_block(rec, nb)
+    local shared_tail = rec.t % bs ~= 0 and refs[last] > 1
     need_blocks(math.ceil(g / bs) - nb + (shared_tail and 1 or 0))
+    local cow = nil
     if shared_tail then
-      local src = rec.b[nb]
       local dst = placeholder()
-      refs[src] = refs[src] - 1
-      rec.b[nb] = dst
-      cow = {src, dst}
+      refs[last] = refs[last] - 1
+      rec.cowlast = dst
+      cow = {last, dst}
       copies[#copies + 1] = cow
     end
-    local added = {}
     for _ = 1, math.ceil(g / bs) - nb do
-      local b = placeholder()
-      rec.b[#rec.b + 1] = b
-      added[#added + 1] = b
+      rec.add[#rec.add + 1] = placeholder()
     end
     rec.t = g
-    return added, cow
+    return cow
   end
 
   -- Phase 3: forks (children share every block, then grow).
@@ -428,29 +496,24 @@ local ok, plan = pcall(function()
     local rec = recs[i]
     kids[i] = {}
     for _, g in ipairs(u.fk) do
-      local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = {}}
-      for j, b in ipairs(rec.b) do
-        child.b[j] = b
-        refs[b] = refs[b] + 1
-      end
+      local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, tab = rec.tab, nb = rec.nb, add = {}}
+      for _, b in ipairs(rec.blocks) do refs[b] = refs[b] + 1 end
       if g > 0 and g < rec.t then
         bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': fork_grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
       end
-      local _, cow = grow(child, g)
-      child.cow = cow
+      child.cow = grow(child, g)
       kids[i][#kids[i] + 1] = child
     end
   end
 
   -- Phase 4: growth.
-  local deltas = {}
+  local cows = {}
   for i, u in ipairs(ups) do
     local rec = recs[i]
     if u.g > 0 and u.g < rec.t then
       bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': grow_to ' .. u.g .. ' is below num_tokens ' .. rec.t)
     end
-    local added, cow = grow(rec, u.g)
-    deltas[i] = {added = added, cow = cow}
+    cows[i] = grow(rec, u.g) or false
   end
 
   -- Phase 5: creates (longest cached prefix, never covering the last prompt token).
@@ -458,7 +521,7 @@ local ok, plan = pcall(function()
   local queried, hit = 0, 0
   for _, c in ipairs(creates) do
     local max_hit = math.floor((c.n - 1) / bs)
-    local rec = {l = p.lease, t = c.n, c = #c.hs, h = c.root, k = 0, b = {}}
+    local rec = {l = p.lease, t = c.n, c = #c.hs, h = c.root, k = 0, tab = '', nb = 0, add = {}}
     if #c.hs > 0 then rec.h = c.hs[#c.hs] end
     local hits = {}
     for i = 1, math.min(max_hit, #c.hs) do
@@ -469,12 +532,12 @@ local ok, plan = pcall(function()
     load_refs(hits)
     for i, b in ipairs(hits) do
       refs[b] = refs[b] + 1
-      rec.b[i] = b
+      rec.add[i] = b
     end
     need_blocks(math.ceil(c.n / bs) - #hits)
     for i = #hits + 1, math.ceil(c.n / bs) do
       local b = placeholder()
-      rec.b[i] = b
+      rec.add[i] = b
       local h = c.hs[i]
       if h and not known[h] and not pending[h] then
         pending[h] = b
@@ -487,17 +550,13 @@ local ok, plan = pcall(function()
     made[#made + 1] = rec
   end
 
-  if nplace > p.max_blocks then
-    bad('INVALID_ARGUMENT', 'the step needs ' .. nplace .. ' new blocks; at most ' .. p.max_blocks .. ' per call')
-  end
   local available = available_now(num_blocks) + net_released()
   if nplace > available then
     bad('RESOURCE_EXHAUSTED', 'pool ' .. p.pool .. ': needed ' .. nplace .. ' blocks, ' .. available .. ' available',
       {needed = nplace, available = available})
   end
-  return {epoch = epoch, num_blocks = num_blocks, bs = bs, now = now, recs = recs, kids = kids,
-          deltas = deltas, made = made, freed = freed, regs = regs, copies = copies,
-          attach = attach, queried = queried, hit = hit}
+  return {epoch = epoch, num_blocks = num_blocks, recs = recs, kids = kids, cows = cows, made = made,
+          freed = freed, regs = regs, copies = copies, attach = attach, queried = queried, hit = hit}
 end)
 if not ok then
   if type(plan) == 'table' then return fail_reply(plan) end
@@ -508,30 +567,39 @@ end
 local stats = {cow_copies = #plan.copies, prefix_queried_tokens = plan.queried,
                prefix_hit_tokens = plan.hit}
 -- Hashes of real blocks first, so that a block committed and freed in one step is cached.
-local reg_real = {}
-local by_block = {}
+local reg_h2b, reg_b2h, by_block = {}, {}, {}
 for _, r in ipairs(plan.regs) do
-  if r[2] >= 0 then reg_real[#reg_real + 1] = r end
-  by_block[r[2]] = true
+  if r[2] >= 0 then
+    reg_h2b[#reg_h2b + 1] = r[1]; reg_h2b[#reg_h2b + 1] = r[2]
+    reg_b2h[#reg_b2h + 1] = r[2]; reg_b2h[#reg_b2h + 1] = r[1]
+    by_block[r[2]] = true
+  end
 end
 local zero_blocks = {}
 for _, b in ipairs(zero) do
   if refs[b] == 0 and init[b] == 'u' then zero_blocks[#zero_blocks + 1] = b end
 end
-local zero_hashes = hmget_chunked(K_B2H, zero_blocks)
 local hashed = {}
-for i, b in ipairs(zero_blocks) do if zero_hashes[i] or by_block[b] then hashed[b] = true end end
-for _, r in ipairs(reg_real) do
-  redis.call('HSET', K_H2B, r[1], r[2])
-  redis.call('HSET', K_B2H, r[2], r[1])
+if #zero_blocks > 0 then
+  local zero_hashes = hmget_chunked(K_B2H, zero_blocks)
+  for i, b in ipairs(zero_blocks) do if zero_hashes[i] or by_block[b] then hashed[b] = true end end
+end
+if #reg_h2b > 0 then
+  call_chunked('HSET', K_H2B, reg_h2b, 2)
+  call_chunked('HSET', K_B2H, reg_b2h, 2)
 end
 local map = apply(plan.num_blocks, function(b) return hashed[b] == true end, stats)
+reg_h2b, reg_b2h = {}, {}
 for _, r in ipairs(plan.regs) do
   if r[2] < 0 then
     local b = map[r[2]]
-    redis.call('HSET', K_H2B, r[1], b)
-    redis.call('HSET', K_B2H, b, r[1])
+    reg_h2b[#reg_h2b + 1] = r[1]; reg_h2b[#reg_h2b + 1] = b
+    reg_b2h[#reg_b2h + 1] = b; reg_b2h[#reg_b2h + 1] = r[1]
   end
+end
+if #reg_h2b > 0 then
+  call_chunked('HSET', K_H2B, reg_h2b, 2)
+  call_chunked('HSET', K_B2H, reg_b2h, 2)
 end
 
 -- Sequence records.
@@ -539,54 +607,66 @@ local nkids, nmade = 0, #plan.made
 for _, ks in pairs(plan.kids) do nkids = nkids + #ks end
 local next_n = 0
 if nkids + nmade > 0 then next_n = redis.call('HINCRBY', K_META, 'next_seq', nkids + nmade) - nkids - nmade end
-local put, lseq_add = {}, {}
+local put_meta, put_tab, lseq_add = {}, {}, {}
 local function store(n, rec)
-  local saved = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = rec.b}
-  put[#put + 1] = n; put[#put + 1] = cjson.encode(saved)
+  local tab = rec_tab(rec, map)
+  put_meta[#put_meta + 1] = n; put_meta[#put_meta + 1] = meta_string(rec)
+  put_tab[#put_tab + 1] = n; put_tab[#put_tab + 1] = tab
+  return tab
+end
+local function resolved(pair)
+  if not pair then return nil end
+  return {pair[1], map[pair[2]] or pair[2]}
 end
 local out_updates = {}
 local is_freed = {}
 for _, i in ipairs(plan.freed) do is_freed[i] = true end
 local del, lseq_del = {}, {}
-for i, u in ipairs(p.updates) do
+for i, u in ipairs(ups) do
   local rec = plan.recs[i]
-  resolve(map, rec.b)
-  local d = plan.deltas[i]
-  local o = {t = rec.t, c = rec.c, h = rec.h, nb = resolve(map, d.added), kids = {}}
-  if d.cow then o.cow = {d.cow[1], map[d.cow[2]] or d.cow[2]} end
+  local o = {t = rec.t, c = rec.c, h = rec.h, kids = {}}
   for _, child in ipairs(plan.kids[i]) do
     next_n = next_n + 1
-    resolve(map, child.b)
-    store(next_n, child)
+    local tab = store(next_n, child)
     lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = p.lease .. ':' .. next_n
-    local co = {n = next_n, t = child.t, c = child.c, h = child.h, k = child.k, b = child.b}
-    if child.cow then co.cow = {child.cow[1], map[child.cow[2]]} end
-    o.kids[#o.kids + 1] = co
+    o.kids[#o.kids + 1] = {n = next_n, t = child.t, c = child.c, h = child.h, k = child.k, b = tab,
+                           cow = resolved(child.cow)}
   end
   if is_freed[i] then
     o.freed = true
     del[#del + 1] = u.s
     lseq_del[#lseq_del + 1] = p.lease .. ':' .. u.s
   else
-    store(u.s, rec)
+    if #rec.add > 0 or rec.cowlast then
+      store(u.s, rec)
+    else
+      put_meta[#put_meta + 1] = u.s; put_meta[#put_meta + 1] = meta_string(rec)
+    end
+    local nb = {}
+    for j, b in ipairs(rec.add) do nb[j] = hexid(map[b] or b) end
+    o.nb = table.concat(nb)
+    o.cow = resolved(plan.cows[i])
   end
   out_updates[i] = o
 end
 local out_made = {}
 for _, rec in ipairs(plan.made) do
   next_n = next_n + 1
-  resolve(map, rec.b)
-  store(next_n, rec)
+  local tab = store(next_n, rec)
   lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = p.lease .. ':' .. next_n
-  out_made[#out_made + 1] = {n = next_n, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = rec.b}
+  out_made[#out_made + 1] = {n = next_n, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = tab}
 end
-if #put > 0 then call_chunked('HSET', K_SEQS, put, 2) end
-if #del > 0 then call_chunked('HDEL', K_SEQS, del) end
+if #put_meta > 0 then call_chunked('HSET', K_SEQS, put_meta, 2) end
+if #put_tab > 0 then call_chunked('HSET', K_TABS, put_tab, 2) end
+if #del > 0 then
+  call_chunked('HDEL', K_SEQS, del)
+  call_chunked('HDEL', K_TABS, del)
+end
 if #lseq_add > 0 then call_chunked('ZADD', K_LSEQ, lseq_add, 2) end
 if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline, p.lease) end
 local copies = {}
-for _, cp in ipairs(plan.copies) do copies[#copies + 1] = {cp[1], map[cp[2]] or cp[2]} end
+for _, cp in ipairs(plan.copies) do copies[#copies + 1] = resolved(cp) end
 stats.sequences_created = nkids + nmade
 stats.sequences_freed = #del
 incr_stats(stats)
@@ -595,7 +675,7 @@ return remember(p, cjson.encode({epoch = plan.epoch, updates = out_updates, crea
 
 # Frees the sequences of expired (or one revoked) leases, a bounded number per call.
 REAP = LIB + r"""
--- KEYS[1..12]: pool keys.
+-- KEYS[1..13]: pool keys.
 -- ARGV[1]: JSON {pool, force_lease ('' or a lease id to expire now), max_leases, max_seqs,
 --   tombstone_ms}
 -- Returns JSON {leases = expired leases fully reaped, seqs = sequences freed, more = bool}.
@@ -622,14 +702,15 @@ for _, lease in ipairs(expired) do
       ns[i] = string.sub(members[i], #lease + 2)
       lseq_del[#lseq_del + 1] = members[i]
     end
-    local raw = hmget_chunked(K_SEQS, ns)
+    local metas = hmget_chunked(K_SEQS, ns)
+    local tabs = hmget_chunked(K_TABS, ns)
     local recs = {}
     local blocks = {}
     for i = 1, take do
-      if raw[i] then
-        local rec = cjson.decode(raw[i])
+      if metas[i] then
+        local rec = load_rec(metas[i], tabs[i])
         recs[#recs + 1] = rec
-        for _, b in ipairs(rec.b) do blocks[#blocks + 1] = b end
+        for _, b in ipairs(rec_blocks(rec)) do blocks[#blocks + 1] = b end
         del[#del + 1] = ns[i]
       end
     end
@@ -647,13 +728,18 @@ for _, lease in ipairs(expired) do
   end
 end
 if #expired == p.max_leases then more = true end
-if #del > 0 then call_chunked('HDEL', K_SEQS, del) end
+if #del > 0 then
+  call_chunked('HDEL', K_SEQS, del)
+  call_chunked('HDEL', K_TABS, del)
+end
 if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
 local zero_blocks = {}
 for _, b in ipairs(zero) do if refs[b] == 0 then zero_blocks[#zero_blocks + 1] = b end end
-local hs = hmget_chunked(K_B2H, zero_blocks)
 local hashed = {}
-for i, b in ipairs(zero_blocks) do if hs[i] then hashed[b] = true end end
+if #zero_blocks > 0 then
+  local hs = hmget_chunked(K_B2H, zero_blocks)
+  for i, b in ipairs(zero_blocks) do if hs[i] then hashed[b] = true end end
+end
 local stats = {leases_expired = nleases, sequences_reaped = nseqs, sequences_freed = nseqs}
 apply(num_blocks, function(b) return hashed[b] == true end, stats)
 redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
@@ -663,7 +749,7 @@ return cjson.encode({leases = nleases, seqs = nseqs, more = more, epoch = epoch}
 
 # Registers a pool, or re-registers it: a new epoch, and every block free again.
 REGISTER = LIB + r"""
--- KEYS[1..12]: pool keys; KEYS[13]: request key.
+-- KEYS[1..13]: pool keys; KEYS[14]: request key.
 -- ARGV[1]: JSON {pool, rid, digest, req_ttl_ms, num_blocks, block_size, num_layers,
 --   num_kv_heads, head_dim, dtype, worker_address}
 -- Returns JSON {pool, epoch, registered_ms}.
@@ -672,7 +758,7 @@ local prev = replay(p)
 if prev then return prev end
 local now = now_ms()
 local epoch = redis.call('HINCRBY', K_META, 'epoch', 1)
-for i = 2, 12 do redis.call('UNLINK', KEYS[i]) end
+for i = 2, 13 do redis.call('UNLINK', KEYS[i]) end
 redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block_size', p.block_size,
   'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now)
@@ -682,7 +768,7 @@ return remember(p, cjson.encode({pool = p.pool, epoch = epoch, registered_ms = n
 
 # Read-only: how much of a prompt a pool has cached, and how many blocks it could give.
 PROBE = LIB + r"""
--- KEYS[1..12]: pool keys.
+-- KEYS[1..13]: pool keys.
 -- ARGV[1]: JSON {pool, e = epoch, hs = [hash hex of the blocks a hit may cover]}
 -- Returns JSON {epoch, hits, available}.
 local p = cjson.decode(ARGV[1])

@@ -46,6 +46,21 @@ def decode_reply(raw: bytes | str, *, internal: tuple[str, ...] = ()) -> dict[st
     raise cls(reply["msg"])
 
 
+def blocks_of(table: str | bytes) -> list[int]:
+    """A stored block table (6 hex digits per block id) as a list of ids."""
+    if isinstance(table, bytes):
+        table = table.decode()
+    return [int(table[i:i + 6], 16) for i in range(0, len(table), 6)]
+
+
+def parse_record(meta: bytes | str, table: bytes | str | None) -> dict[str, Any]:
+    """A sequence record ``{l, t, c, k, h, b}`` from its ``seqs`` and ``tabs`` entries."""
+    if isinstance(meta, bytes):
+        meta = meta.decode()
+    lease, t, c, k, h = meta.split(" ")
+    return {"l": lease, "t": int(t), "c": int(c), "k": int(k), "h": h, "b": blocks_of(table or "")}
+
+
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     """An asyncio Redis client for ``redis://``, ``rediss://`` or ``unix://`` URLs."""
     return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30, **kwargs)
@@ -76,6 +91,7 @@ class Store:
 
     @staticmethod
     def _pool_args(pool_id: str, request_id: str = "") -> list[str]:
+        """The pool keys plus the request key, as idempotent scripts take them."""
         return keys.pool_keys(pool_id) + [keys.request_key(pool_id, request_id)]
 
     async def register_pool(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -86,15 +102,19 @@ class Store:
         return decode_reply(raw)
 
     async def step(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
-        """Runs one step script per pool (pipelined); returns each pool's reply or error."""
+        """Runs one step script per pool (pipelined); returns each pool's reply or error.
+
+        Each payload is ``{"pool", "rid", "header": dict, "argv": [str]}`` (see ``lua.STEP``).
+        """
         if len(payloads) == 1:
             p = payloads[0]
-            raws = [await self._step(keys=self._pool_args(p["pool"], p["rid"]), args=[json.dumps(p)])]
+            raws = [await self._step(keys=self._pool_args(p["pool"], p["rid"]),
+                                     args=[json.dumps(p["header"]), *p["argv"]])]
         else:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for p in payloads:
                     await self._step(keys=self._pool_args(p["pool"], p["rid"]),
-                                     args=[json.dumps(p)], client=pipe)
+                                     args=[json.dumps(p["header"]), *p["argv"]], client=pipe)
                 raws = await pipe.execute(raise_on_error=False)
         out: list[dict[str, Any] | Exception] = []
         for raw in raws:
@@ -204,8 +224,9 @@ class Store:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hget(keys.pool_key(pool_id, "meta"), "epoch")
             pipe.hget(keys.pool_key(pool_id, "seqs"), str(n))
-            epoch, raw = await pipe.execute()
-        return (int(epoch) if epoch else None), (json.loads(raw) if raw else None)
+            pipe.hget(keys.pool_key(pool_id, "tabs"), str(n))
+            epoch, meta, tab = await pipe.execute()
+        return (int(epoch) if epoch else None), (parse_record(meta, tab) if meta else None)
 
     async def snapshot(self, pool_id: str) -> dict[str, Any] | None:
         """Every allocation key of one pool and its counts, read in one transaction (for the audit)."""
@@ -222,9 +243,10 @@ class Store:
             pipe.zrange(k["leases"], 0, -1, withscores=True)
             pipe.zrange(k["lseq"], 0, -1)
             pipe.hgetall(k["stats"])
+            pipe.hgetall(k["tabs"])
             self._queue_counts(pipe, pool_id)
             res = await pipe.execute()
-        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats = res[:11]
+        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs = res[:12]
         if not meta or b"num_blocks" not in meta:
             return None
 
@@ -239,9 +261,9 @@ class Store:
             "ref": {int(a): int(b) for a, b in ref.items()},
             "h2b": {s(a): int(b) for a, b in h2b.items()},
             "b2h": {int(a): s(b) for a, b in b2h.items()},
-            "seqs": {int(a): json.loads(b) for a, b in seqs.items()},
+            "seqs": {int(a): parse_record(b, tabs.get(a)) for a, b in seqs.items()},
             "leases": {s(m): sc for m, sc in leases},
             "lseq": [s(m) for m in lseq],
             "stats": {s(a): int(b) for a, b in stats.items()},
-            "counts": self._counts(res[11:]),
+            "counts": self._counts(res[12:]),
         }
