@@ -185,7 +185,8 @@ class Allocator:
             if u.sequence_id in seen:
                 raise errors.InvalidArgument(f"sequence {u.sequence_id} appears twice in one step")
             seen.add(u.sequence_id)
-            current, geo = await self.geometry(pool_id)
+            cached = self._geometry.get(pool_id)
+            current, geo = cached if cached else await self.geometry(pool_id)
             if current != epoch:
                 current, geo = await self.geometry(pool_id, refresh=True)
                 if current != epoch:

@@ -47,20 +47,27 @@ def seq_to_pb(s: SeqState) -> pb.Sequence:
     return out
 
 
-def delta_to_pb(d: SeqDelta, pool_id: str) -> pb.SeqDelta:
-    out = pb.SeqDelta(sequence_id=d.sequence_id, num_tokens=d.num_tokens, new_blocks=d.new_blocks,
-                      num_committed_blocks=d.num_committed_blocks, last_hash=d.last_hash,
-                      children=[seq_to_pb(c) for c in d.children], freed=d.freed)
+def _fill_delta(out: pb.SeqDelta, d: SeqDelta) -> None:
+    out.sequence_id = d.sequence_id
+    out.num_tokens = d.num_tokens
+    out.new_blocks.extend(d.new_blocks)
+    out.num_committed_blocks = d.num_committed_blocks
+    out.last_hash = d.last_hash
+    if d.children:
+        out.children.extend(seq_to_pb(c) for c in d.children)
+    out.freed = d.freed
     if d.cow is not None:
-        out.cow.CopyFrom(pb.CopyPair(pool_id=pool_id, src=d.cow[0], dst=d.cow[1]))
-    return out
+        out.cow.pool_id = d.sequence_id.split("/", 1)[0]
+        out.cow.src, out.cow.dst = d.cow
 
 
 def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
     """A step's results; items of pools that failed are left empty (no sequence_id)."""
     out = pb.StepResponse()
     for d in o.updates:
-        out.updates.append(delta_to_pb(d, d.sequence_id.split("/")[0]) if d else pb.SeqDelta())
+        msg = out.updates.add()
+        if d:
+            _fill_delta(msg, d)
     for s in o.created:
         out.created.append(seq_to_pb(s) if s else pb.Sequence())
     out.copies.extend(pb.CopyPair(pool_id=p, src=a, dst=b) for p, a, b in o.copies)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -71,3 +72,20 @@ def test_demo_runs_end_to_end():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "request B (2 blocks cached)" in out.stdout and "cached=32" in out.stdout
     assert "audit: ok" in out.stdout
+
+
+def test_a_killed_allocator_takes_its_private_redis_with_it():
+    proc = AllocatorProcess().start()
+    socket_path = proc.url.removeprefix("unix://")
+    assert redis.Redis(unix_socket_path=socket_path).ping()
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            redis.Redis(unix_socket_path=socket_path, socket_timeout=0.5).ping()
+        except (redis.ConnectionError, FileNotFoundError, OSError):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the embedded Redis outlived its SIGKILLed allocator")
+    proc.stop()
