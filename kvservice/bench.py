@@ -179,17 +179,20 @@ def measure_lifecycle(client: Any, pool: str, repeat: int, rng: random.Random,
 
     # Cold creates (no block of the prompt is cached), each freed after: the free of a
     # sequence that alone owns its 125 blocks (every one goes to the evictable set).
-    cold, free_owned = [], []
-    prompts = [cold_prompt() for _ in range(warmup + repeat)]
-    for i, prompt in enumerate(prompts):
+    def create_then_free(prompt: list[int]) -> tuple[float, float, int]:
         t0 = clock()
         seq = client.create(prompt, pool=pool)
         t1 = clock()
         seq.free()
-        t2 = clock()
+        return t1 - t0, clock() - t1, seq.num_cached_tokens
+
+    cold, free_owned = [], []
+    prompts = [cold_prompt() for _ in range(warmup + repeat)]
+    for i, prompt in enumerate(prompts):
+        create_s, free_s, _ = create_then_free(prompt)
         if i >= warmup:
-            cold.append(t1 - t0)
-            free_owned.append(t2 - t1)
+            cold.append(create_s)
+            free_owned.append(free_s)
     _progress("create cold: done")
 
     # Fully cached: the same prompt, held by a live sequence.
@@ -199,15 +202,11 @@ def measure_lifecycle(client: Any, pool: str, repeat: int, rng: random.Random,
     for i in range(warmup + repeat):
         if i == warmup:
             cpu0 = cpu.snap()
-        t0 = clock()
-        seq = client.create(prompt, pool=pool)
-        t1 = clock()
-        seq.free()
-        t2 = clock()
+        create_s, free_s, hits = create_then_free(prompt)
         if i >= warmup:
-            cached.append(t1 - t0)
-            free_shared.append(t2 - t1)
-            hit_tokens = seq.num_cached_tokens
+            cached.append(create_s)
+            free_shared.append(free_s)
+            hit_tokens = hits
     cpu_cached = cpu.per_op_us(cpu0, repeat)   # one create and one free each
     _progress("create cached: done")
 
