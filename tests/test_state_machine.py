@@ -12,7 +12,9 @@ expires (the rule waits for that, at most 5 s).
 
 Rules: create, append, fork (``Sequence`` methods), free, and ``Client.step`` over several
 sequences at once mixing appends, forks (children with and without tokens), frees and
-creates; side-client open / revoke; short-lease expiry.
+creates; side-client open / revoke; short-lease expiry. Prompts come from three token
+families (so that they share prefixes), or extend a live sequence's tokens (hits on blocks
+committed late, or committed in the same step).
 
 The model is a re-implementation of the allocator and of the SDK's planning, at the level
 of abstract blocks: it predicts, before each call, whether it fails with
@@ -33,8 +35,9 @@ says it is free or was evicted, an evicted block is exactly the LRU victim).
 Checked after every rule: ``helpers.audit(redis_url) == []``; pool stats (free,
 evictable, used = distinct blocks held by live sequences, free + evictable + used ==
 num_blocks, sequences, leases and every counter: evictions, cow_copies,
-allocation_failures, prefix tokens queried / hit, blocks allocated, ...); the snapshot's
-ref map, hash -> block map and evictable set in LRU order; and per live sequence: the SDK
+allocation_failures, prefix tokens queried / hit, blocks allocated, ...); the ref map,
+hash -> block map and evictable set (in LRU order) read from Redis; the sharing structure
+(one physical block per model block and back); and per live sequence: the SDK
 handle's block table == ``client.get(id).block_table`` == the model's (mapped), SDK
 num_tokens, the allocator's num_tokens (which lags behind local appends), committed
 blocks and num_cached_tokens.
@@ -254,6 +257,14 @@ def simulate(m0: Model, pool: str, owner: str, lease: str, tenant: str, appends:
             hits.append(mid)
             if m.blocks[mid].committed_late:
                 out.notes.append("prefix hit on a block committed after its create")
+            if mid not in init:
+                out.notes.append("prefix hit on a block allocated in the same step")
+            elif init[mid] == 0:
+                out.notes.append("prefix hit revives an evictable block")
+            elif m.blocks[mid].ref == 0:
+                out.notes.append("prefix hit on a block freed in the same step")
+            elif mid in pending.values():
+                out.notes.append("prefix hit on a block committed in the same step")
         table = []
         for mid in hits:
             m.blocks[mid].ref += 1
@@ -575,11 +586,19 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     # -- rules
 
+    def draw_prompt(self, data, candidates: list[str]) -> tuple[int, list[int]]:
+        """A fresh prompt, or a live sequence's tokens plus a few (hits on blocks committed
+        late, or in the same step)."""
+        if candidates and data.draw(st.booleans()):
+            s = self.model.seqs[data.draw(st.sampled_from(candidates))]
+            return s.family, s.tokens + make_tokens(s, data.draw(growth))
+        return make_prompt(data.draw(prompts))
+
     @precondition(lambda self: self.room())
-    @rule(data=st.data(), p=prompts)
-    def create(self, data, p):
+    @rule(data=st.data())
+    def create(self, data):
         owner = data.draw(st.sampled_from(sorted(self.clients)))
-        self.call(owner, "create", creates=[make_prompt(p)])
+        self.call(owner, "create", creates=[self.draw_prompt(data, self.live())])
 
     @precondition(lambda self: self.live())
     @rule(data=st.data(), g=growth)
@@ -621,7 +640,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 forks[sid] = [make_tokens(s, data.draw(child_tokens)) for _ in range(n)]
             if kind in ("append", "append+fork"):
                 appends[sid] = make_tokens(s, data.draw(growth))
-        creates = [make_prompt(p) for p in data.draw(st.lists(prompts, max_size=min(2, max(budget, 0))))]
+        creates = [self.draw_prompt(data, chosen) for _ in range(data.draw(st.integers(0, min(2, max(budget, 0)))))]
         self.call(owner, "step", appends=appends, forks=forks, frees=frees, creates=creates)
 
     @precondition(lambda self: "side" not in self.clients and self.sides < 2)
