@@ -350,8 +350,8 @@ class Allocator:
         scored = [x for x in await asyncio.gather(*(score(p) for p in pools)) if x is not None]
         if not scored:
             raise errors.FailedPrecondition("no pool is registered")
-        best = max(scored, key=lambda x: (x[0], x[1], _neg(x[2])))
-        return best[2]
+        # Most cached tokens, then most blocks available, then the smallest pool id.
+        return min(scored, key=lambda x: (-x[0], -x[1], x[2]))[2]
 
     def _collect(self, pool_id: str, items: dict[str, list], lease_id: str, reply: dict[str, Any],
                  outcome: StepOutcome) -> None:
@@ -380,10 +380,6 @@ class Allocator:
 def _list(x: Any) -> list:
     """cjson encodes an empty array as {}: treat any empty value as []."""
     return x if isinstance(x, list) else []
-
-
-def _neg(s: str) -> tuple[int, ...]:
-    return tuple(-ord(ch) for ch in s)
 
 
 def _state(pool_id: str, epoch: int, n: int, rec: dict[str, Any], lease_id: str = "",
