@@ -133,12 +133,6 @@ class Sequence:
         if not self.freed and not self.client.closed:
             self.free()
 
-    def __hash__(self) -> int:
-        return hash(self.id)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and other.id == self.id
-
     def __repr__(self) -> str:
         return f"Sequence({self.id}, tokens={self._num_tokens}, blocks={self._table})"
 
@@ -227,9 +221,11 @@ class Client:
         forks = dict(forks or {})
         frees = list(frees)
         creates = [c if isinstance(c, tuple) else (list(c), "", b"") for c in creates]
-        _check_step(self, appends, forks, frees)
+        if frees or forks:
+            _check_step(self, appends, forks, frees)
         # Plan without building anything for the (many) sequences that stay local: this
-        # loop runs over every sequence of every decode step (see docs/benchmark.md).
+        # loop runs over every sequence of every decode step (see docs/benchmark.md). It
+        # also checks the appends; nothing is changed until the whole step is planned.
         order: list[Sequence] = []
         riders: list[Sequence] = []   # no RPC of their own, but blocks to commit
         local: list[tuple[Sequence, list[int]]] = []   # appends that stay in the process
@@ -237,6 +233,14 @@ class Client:
         planned = ([(s, appends.get(s)) for s in dict.fromkeys([*frees, *forks, *appends])]
                    if frees or forks else appends.items())
         for s, tokens in planned:
+            if s.__class__ is not Sequence and not isinstance(s, Sequence) or s.client is not self:
+                raise ValueError(f"{s!r} is not a sequence of this client")
+            if s.freed:
+                raise ValueError(f"sequence {s.id} was freed")
+            if tokens:
+                for t in tokens:
+                    if t.__class__ is not int and (not isinstance(t, int) or isinstance(t, bool)):
+                        raise TypeError(f"token ids must be int, got {t!r} for sequence {s.id}")
             added = len(tokens) if tokens else 0
             n = s._num_tokens
             # An RPC when it frees or forks, outgrows its block table, or writes into a
@@ -439,22 +443,18 @@ def _request_id() -> str:
 
 
 def _check_step(client: Client, appends: dict, forks: dict, frees: list) -> None:
+    for s in [*forks, *frees]:
+        if not isinstance(s, Sequence) or s.client is not client:
+            raise ValueError(f"{s!r} is not a sequence of this client")
     seen = defaultdict(int)
     for s in frees:
         seen[s] += 1
         if seen[s] > 1:
             raise ValueError(f"sequence {s.id} is freed twice in one step")
+    # (Appends are checked by Client.step's planning loop, which visits every sequence.)
     for s in [*appends, *forks, *frees]:
-        if not isinstance(s, Sequence) or s.client is not client:
-            raise ValueError(f"{s!r} is not a sequence of this client")
-        if s.freed:
-            raise ValueError(f"sequence {s.id} was freed")
         if seen and s in seen and (s in appends or s in forks):
             raise ValueError(f"sequence {s.id} cannot be freed and appended to or forked in one step")
-    for s, tokens in appends.items():
-        for t in tokens:
-            if t.__class__ is not int and (not isinstance(t, int) or isinstance(t, bool)):
-                raise TypeError(f"token ids must be int, got {t!r} for sequence {s.id}")
     for s, children in forks.items():
         if not isinstance(children, list) or not all(isinstance(c, list) for c in children):
             raise TypeError(f"forks[{s.id}] must be a list with one token list per child")
