@@ -80,7 +80,15 @@ class Allocator:
         stats["num_blocks"] = geometry.num_blocks
         stats["usage"] = counts["num_used_blocks"] / geometry.num_blocks
         return PoolInfo(pool_id, int(meta["epoch"]), geometry, meta.get("worker_address", ""),
-                        int(meta.get("registered_ms", 0)), stats)
+                        int(meta.get("registered_ms", 0)), stats, int(meta.get("heartbeat_ms", 0)))
+
+    async def heartbeat(self, pool_id: str, epoch: int) -> tuple[int, int]:
+        """Records a worker's heartbeat; returns (epoch, Redis time in ms)."""
+        _check_pool_id(pool_id)
+        if not 1 <= epoch <= MAX_INT:
+            raise errors.InvalidArgument(f"epoch must be in 1..{MAX_INT}, got {epoch}")
+        reply = await self.store.heartbeat(pool_id, epoch)
+        return int(reply["epoch"]), int(reply["heartbeat_ms"])
 
     async def geometry(self, pool_id: str, *, refresh: bool = False) -> tuple[int, Geometry]:
         """The pool's current epoch and geometry (cached per epoch)."""

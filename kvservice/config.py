@@ -16,8 +16,47 @@ from typing import Any
 ENV_PREFIX = "KVSERVICE_"
 
 
+class EnvSettings:
+    """Loading for a settings dataclass: ``<PREFIX><FIELD>`` env vars and ``--<field>`` flags.
+
+    Subclasses are slotted dataclasses that check themselves in ``__post_init__``;
+    ``env_prefix`` names their variables.
+    """
+
+    __slots__ = ()
+    env_prefix = ENV_PREFIX
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any):
+        """Settings from the environment, then ``overrides`` (None values ignored)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(cls.env_prefix + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f, raw, cls.env_prefix)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Adds one ``--flag`` per field (default None, so the environment still applies)."""
+        for f in fields(cls):
+            kind = type(f.default)
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
+                                help=f"default {f.default!r}; env {cls.env_prefix}{f.name.upper()}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace):
+        return cls.from_env(**{f.name: getattr(args, f.name, None) for f in fields(cls)})
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+
+
 @dataclass(slots=True)
-class Settings:
+class Settings(EnvSettings):
     """Allocator settings (see docs/allocator.md for what each limit bounds)."""
 
     host: str = "127.0.0.1"
@@ -60,37 +99,10 @@ class Settings:
         if self.min_lease_ttl > self.max_lease_ttl:
             raise ValueError("min_lease_ttl must not exceed max_lease_ttl")
 
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "Settings":
-        """Settings from ``KVSERVICE_*`` variables, then ``overrides`` (None values ignored)."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None:
-                values[f.name] = _parse(f, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
 
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one ``--flag`` per field (default None, so the environment still applies)."""
-        for f in fields(cls):
-            kind = type(f.default)
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
-                                help=f"default {f.default!r}; env {ENV_PREFIX}{f.name.upper()}")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Settings":
-        return cls.from_env(**{f.name: getattr(args, f.name, None) for f in fields(cls)})
-
-    def replace(self, **changes: Any) -> "Settings":
-        return dataclasses.replace(self, **changes)
-
-
-def _parse(f: dataclasses.Field, raw: str) -> Any:
+def _parse(f: dataclasses.Field, raw: str, prefix: str) -> Any:
     kind = type(f.default)
     try:
         return kind(raw)
     except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+        raise ValueError(f"{prefix}{f.name.upper()}={raw!r} is not a valid {kind.__name__}") from None

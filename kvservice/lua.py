@@ -762,8 +762,28 @@ for i = 2, 13 do redis.call('UNLINK', KEYS[i]) end
 redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block_size', p.block_size,
   'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now)
+redis.call('HDEL', K_META, 'heartbeat_ms')
 redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
 return remember(p, cjson.encode({pool = p.pool, epoch = epoch, registered_ms = now}))
+"""
+
+# A worker's heartbeat: stamps the pool's meta with the Redis clock if the epoch matches.
+HEARTBEAT = r"""
+-- KEYS[1]: the pool's meta hash. ARGV[1]: pool id; ARGV[2]: the worker's epoch.
+-- Returns JSON {epoch, heartbeat_ms}, or an error (NOT_FOUND, FAILED_PRECONDITION).
+local pool, epoch = ARGV[1], tonumber(ARGV[2])
+local current = tonumber(redis.call('HGET', KEYS[1], 'epoch'))
+if not current or not redis.call('HGET', KEYS[1], 'num_blocks') then
+  return cjson.encode({err = 'NOT_FOUND', msg = 'pool ' .. pool .. ' is not registered'})
+end
+if current ~= epoch then
+  return cjson.encode({err = 'FAILED_PRECONDITION', epoch = current,
+    msg = 'pool ' .. pool .. ' is at epoch ' .. current .. ', not ' .. ARGV[2] .. ' (re-registered since)'})
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'heartbeat_ms', now)
+return cjson.encode({epoch = current, heartbeat_ms = now})
 """
 
 # Read-only: how much of a prompt a pool has cached, and how many blocks it could give.

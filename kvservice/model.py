@@ -130,6 +130,7 @@ class PoolInfo:
     worker_address: str
     registered_at_ms: int
     stats: dict[str, float] = field(default_factory=dict)
+    last_heartbeat_ms: int = 0
 
 
 #: ``<pool>/<epoch>/<n>``: ASCII digits only (``str.isdigit`` also takes "²" and "١"), and

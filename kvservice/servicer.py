@@ -17,7 +17,7 @@ STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in (
 def pool_to_pb(info: PoolInfo) -> pb.Pool:
     g = info.geometry
     out = pb.Pool(pool_id=info.pool_id, epoch=info.epoch, worker_address=info.worker_address,
-                  registered_at_ms=info.registered_at_ms,
+                  registered_at_ms=info.registered_at_ms, last_heartbeat_ms=info.last_heartbeat_ms,
                   geometry=pb.PoolGeometry(num_blocks=g.num_blocks, block_size=g.block_size,
                                            num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                                            head_dim=g.head_dim, dtype=g.dtype))
@@ -98,6 +98,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest, context: Any) -> pb.PoolStats:
         return stats_to_pb(await self.a.describe_pool(request.pool_id))
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        epoch, now = await self.a.heartbeat(request.pool_id, request.epoch)
+        return pb.HeartbeatResponse(epoch=epoch, heartbeat_at_ms=now)
 
     async def GrantLease(self, request: pb.GrantLeaseRequest, context: Any) -> pb.Lease:
         return lease_to_pb(await self.a.grant_lease(request.tenant, request.ttl_seconds, request.request_id))

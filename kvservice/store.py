@@ -80,6 +80,7 @@ class Store:
         self._keepalive = redis.register_script(lua.LEASE_KEEPALIVE)
         self._attach = redis.register_script(lua.LEASE_ATTACH)
         self._revoke = redis.register_script(lua.LEASE_REVOKE)
+        self._heartbeat = redis.register_script(lua.HEARTBEAT)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -134,6 +135,10 @@ class Store:
         payload = {"pool": pool_id, "force_lease": force_lease, "max_leases": max_leases,
                    "max_seqs": max_seqs, "tombstone_ms": tombstone_ms}
         raw = await self._reap(keys=keys.pool_keys(pool_id), args=[json.dumps(payload)])
+        return decode_reply(raw)
+
+    async def heartbeat(self, pool_id: str, epoch: int) -> dict[str, Any]:
+        raw = await self._heartbeat(keys=[keys.pool_key(pool_id, "meta")], args=[pool_id, epoch])
         return decode_reply(raw)
 
     async def probe(self, pool_id: str, epoch: int, hashes: list[str]) -> dict[str, Any]:

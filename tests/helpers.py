@@ -1,4 +1,4 @@
-"""Test helpers: an allocator server in a thread, audits and state snapshots."""
+"""Test helpers: servers in a thread (``LoopThread``), audits and state snapshots."""
 
 from __future__ import annotations
 
@@ -15,13 +15,11 @@ from kvservice.store import Store, connect
 TEST_SETTINGS = Settings(reap_interval=0.05, request_ttl=60.0)
 
 
-class ServerThread:
-    """A real grpc.aio allocator server on 127.0.0.1:0, in its own thread and event loop."""
+class LoopThread:
+    """Runs ``serve()`` (a coroutine that starts a server and sets ``port``) in its own
+    thread and event loop; ``stop()`` ends it and waits for ``shutdown()``."""
 
-    def __init__(self, redis_url: str, settings: Settings = TEST_SETTINGS, *, reap: bool = True) -> None:
-        self.redis_url = redis_url
-        self.settings = settings
-        self.reap = reap
+    def __init__(self) -> None:
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -32,6 +30,12 @@ class ServerThread:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    async def serve(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
@@ -41,22 +45,19 @@ class ServerThread:
             self._ready.set()
 
     async def _main(self) -> None:
-        self.store = Store(connect(self.redis_url))
-        self.allocator = Allocator(self.store, self.settings)
-        self.server, self.port = await create_server(self.allocator, "127.0.0.1:0")
-        await self.server.start()
         self._stop = asyncio.Event()
-        sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval)) if self.reap else None
+        await self.serve()
         self._ready.set()
         await self._stop.wait()
-        if sweeper:
-            sweeper.cancel()
-        await self.server.stop(grace=0.5)
-        await self.store.close()
+        await self.shutdown()
 
-    def start(self) -> "ServerThread":
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        """Runs a coroutine on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def start(self):
         self._thread.start()
-        self._ready.wait(10)
+        self._ready.wait(30)
         if self._error:
             raise self._error
         return self
@@ -66,11 +67,34 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(10)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerThread(LoopThread):
+    """A real grpc.aio allocator server on 127.0.0.1:0, in its own thread and event loop."""
+
+    def __init__(self, redis_url: str, settings: Settings = TEST_SETTINGS, *, reap: bool = True) -> None:
+        super().__init__()
+        self.redis_url = redis_url
+        self.settings = settings
+        self.reap = reap
+
+    async def serve(self) -> None:
+        self.store = Store(connect(self.redis_url))
+        self.allocator = Allocator(self.store, self.settings)
+        self.server, self.port = await create_server(self.allocator, "127.0.0.1:0")
+        await self.server.start()
+        self._sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval)) if self.reap else None
+
+    async def shutdown(self) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+        await self.server.stop(grace=0.5)
+        await self.store.close()
 
 
 def run_async(coro_fn, redis_url: str) -> Any:

@@ -218,6 +218,21 @@ for rpc, msg_cls in (("DescribePool", pb.DescribePoolRequest), ("GetPoolStats", 
             f"malformed pool_id {pid!r}")
     row(rpc, "unknown-pool", lambda b, c=msg_cls: c(pool_id="nope"), NF, "pool nope is not registered")
 
+# -- Heartbeat: the pool id and the worker's epoch (p1 is at epoch 2).
+for pid in ("", "bad pool!", "a" * 65, "p0/1"):
+    row("Heartbeat", f"malformed-pool-id-{pid[:8]}", lambda b, p=pid: pb.HeartbeatRequest(pool_id=p, epoch=1), IA,
+        f"malformed pool_id {pid!r}")
+row("Heartbeat", "unknown-pool", lambda b: pb.HeartbeatRequest(pool_id="nope", epoch=1), NF,
+    "pool nope is not registered")
+for e in (0, -1, 2**31):
+    row("Heartbeat", f"epoch-{e}", lambda b, e=e: pb.HeartbeatRequest(pool_id="p1", epoch=e), IA,
+        f"epoch must be in 1..{2**31 - 1}, got {e}")
+row("Heartbeat", "stale-epoch", lambda b: pb.HeartbeatRequest(pool_id="p1", epoch=1), FP,
+    "pool p1 is at epoch 2, not 1 (re-registered since)")
+row("Heartbeat", "future-epoch", lambda b: pb.HeartbeatRequest(pool_id="p1", epoch=3), FP,
+    "pool p1 is at epoch 2, not 3")
+
+
 # -- GrantLease.
 def grant(tenant: str = "t1", ttl: float = 30.0, rid: str = "") -> Callable[[Base], Any]:
     return lambda b: pb.GrantLeaseRequest(tenant=tenant, ttl_seconds=ttl, request_id=rid)
@@ -594,6 +609,7 @@ def _every_rpc_request(pool: str, lease: str, sid: str) -> dict[str, Any]:
         "ListPools": pb.ListPoolsRequest(),
         "DescribePool": pb.DescribePoolRequest(pool_id=pool),
         "GetPoolStats": pb.GetPoolStatsRequest(pool_id=pool),
+        "Heartbeat": pb.HeartbeatRequest(pool_id=pool, epoch=1),
         "GrantLease": pb.GrantLeaseRequest(tenant="t1", ttl_seconds=30),
         "KeepAlive": pb.KeepAliveRequest(lease_id=lease),
         "RevokeLease": pb.RevokeLeaseRequest(lease_id=lease),

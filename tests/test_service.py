@@ -89,3 +89,21 @@ def test_a_killed_allocator_takes_its_private_redis_with_it():
     else:
         raise AssertionError("the embedded Redis outlived its SIGKILLed allocator")
     proc.stop()
+
+
+def test_heartbeat_stamps_the_pool_at_its_epoch_and_a_new_epoch_rejects_the_old_one(client):
+    from kvservice import errors
+    from kvservice.v1 import allocator_pb2 as pb
+
+    pool = client.register_pool("hb", num_blocks=8, block_size=4)
+    assert client.stub.DescribePool(pb.DescribePoolRequest(pool_id="hb")).last_heartbeat_ms == 0
+    beat = client.stub.Heartbeat(pb.HeartbeatRequest(pool_id="hb", epoch=pool.epoch))
+    assert beat.epoch == pool.epoch and beat.heartbeat_at_ms >= pool.registered_at_ms
+    assert client.stub.DescribePool(pb.DescribePoolRequest(pool_id="hb")).last_heartbeat_ms == beat.heartbeat_at_ms
+    again = client.register_pool("hb", num_blocks=8, block_size=4)
+    assert again.epoch == pool.epoch + 1 and again.last_heartbeat_ms == 0
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Heartbeat(pb.HeartbeatRequest(pool_id="hb", epoch=pool.epoch))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"is at epoch {again.epoch}, not {pool.epoch}" in info.value.details()
+    assert errors.BY_STATUS[info.value.code()] is errors.FailedPrecondition

@@ -1,0 +1,40 @@
+"""A worker server in a thread, and K/V test data."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import LoopThread
+from worker.pool import KVPool, PoolShape
+from worker.server import create_server, set_serving
+
+
+class WorkerThread(LoopThread):
+    """A real grpc.aio worker server on 127.0.0.1:0 with a standalone pool (epoch 1)."""
+
+    def __init__(self, shape: PoolShape, pool_id: str = "w0") -> None:
+        super().__init__()
+        self.pool = KVPool(shape, torch.device("cpu"))
+        self.pool.epoch = 1
+        self.pool_id = pool_id
+
+    async def serve(self) -> None:
+        self.server, self.port, health = await create_server(self.pool, self.pool_id, "127.0.0.1:0")
+        await set_serving(health, True)
+        await self.server.start()
+
+    async def shutdown(self) -> None:
+        await self.server.stop(grace=0.5)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 causal attention of one sequence's ``q`` ``[q_len, heads, d]`` over its
+    contiguous ``k``/``v`` ``[ctx, kv_heads, d]``; the queries are the last positions."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    ctx, q_len = k.shape[0], q.shape[0]
+    pos = torch.arange(ctx - q_len, ctx)[:, None]
+    scores = scores.masked_fill(torch.arange(ctx)[None, :] > pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

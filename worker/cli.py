@@ -1,0 +1,39 @@
+"""``python -m worker``: a KV pool owner serving the data plane."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from worker.config import WorkerSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description="Serve one pool of paged KV memory (CuPy kernels on a GPU, torch on a CPU): sizes the pool "
+                    "from --kv-memory, registers it with --allocator (retrying until it is up) and heartbeats.")
+    WorkerSettings.add_arguments(parser)
+    parser.add_argument("--port-file", help="write the bound port and the pool id to this file once serving")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = WorkerSettings.from_args(args)
+    except ValueError as exc:
+        print(f"python -m worker: {exc}", file=sys.stderr)
+        return 2
+    from worker.server import serve   # torch loads here, after the arguments are checked
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(settings, args.port_file))
+    except (ValueError, RuntimeError) as exc:
+        logging.getLogger("worker").error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        return 0

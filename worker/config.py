@@ -1,0 +1,86 @@
+"""Worker settings: one object, from ``KVSERVICE_WORKER_*`` env vars and CLI flags."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvservice.config import EnvSettings
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(slots=True)
+class WorkerSettings(EnvSettings):
+    """A worker's settings (see docs/workers.md)."""
+
+    env_prefix: ClassVar[str] = "KVSERVICE_WORKER_"
+
+    host: str = "127.0.0.1"
+    port: int = 50061
+    #: Address registered with the allocator for clients to reach (default host:port).
+    advertise: str = ""
+    #: The allocator's host:port; empty: standalone (epoch 1, nothing registered).
+    allocator: str = ""
+    pool_id: str = "worker-0"
+    #: KV memory budget: a size ("2GiB", "512MB", "1073741824") or a fraction in (0, 1]
+    #: of the device's free memory ("0.9").
+    kv_memory: str = "256MiB"
+    #: Exact number of blocks (overrides kv_memory when > 0).
+    num_blocks: int = 0
+    block_size: int = 16
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    #: "auto": bfloat16 on a GPU, float32 on a CPU.
+    dtype: str = "auto"
+    #: "auto": cuda:0 when CUDA (and CuPy) are available, else cpu.
+    device: str = "auto"
+    #: Seconds between heartbeats to the allocator.
+    heartbeat_interval: float = 2.0
+    #: Give up registering after this many seconds (0: keep trying).
+    register_timeout: float = 60.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.pool_id):
+            raise ValueError(f"malformed pool_id {self.pool_id!r} (letters, digits, _ . -; at most 64)")
+        parse_memory(self.kv_memory)
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        bs = self.block_size
+        if not (1 <= bs <= 256 and bs & (bs - 1) == 0):
+            raise ValueError(f"block_size must be a power of two in 1..256, got {bs}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if not 1 <= getattr(self, name) <= 4096:
+                raise ValueError(f"{name} must be in 1..4096, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:<n>, got {self.device!r}")
+        if not (math.isfinite(self.heartbeat_interval) and self.heartbeat_interval > 0):
+            raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
+        if not (math.isfinite(self.register_timeout) and self.register_timeout >= 0):
+            raise ValueError(f"register_timeout must be >= 0, got {self.register_timeout}")
+
+
+def parse_memory(text: str) -> tuple[int, float]:
+    """``"2GiB"`` -> (2147483648, 0.0); ``"0.9"`` -> (0, 0.9): bytes, or a fraction of free memory."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_memory {text!r} is neither a size (e.g. 2GiB, 512MB) nor a fraction in (0, 1]")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if not unit and value <= 1:
+        if value <= 0:
+            raise ValueError(f"kv_memory fraction must be in (0, 1], got {text!r}")
+        return 0, value
+    size = int(value * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"kv_memory {text!r} is less than one byte")
+    return size, 0.0

@@ -1,0 +1,218 @@
+"""The worker's gRPC server, its registration with the allocator, and heartbeats.
+
+``create_server`` for tests (port 0); ``serve`` for the CLI: builds the pool from the
+settings, starts serving (health NOT_SERVING), registers the pool with the allocator —
+retrying until it is up — which gives the pool a new epoch, turns health to SERVING,
+then heartbeats until SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kernels.backend import cuda_available
+from kvservice.interceptor import ErrorInterceptor
+from kvservice.v1 import allocator_pb2, allocator_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker import tensors
+from worker.config import WorkerSettings, parse_memory
+from worker.pool import KVPool, PoolShape, blocks_for_budget
+from worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+MAX_MESSAGE = 512 << 20
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class PoolTakenOver(RuntimeError):
+    """The pool id was registered again by someone else: this worker's epoch is stale."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda:0" if cuda_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return tensors.DTYPES[name]
+
+
+def free_memory(device: torch.device) -> int:
+    """Free bytes on the device (host: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def build_pool(settings: WorkerSettings) -> KVPool:
+    """The pool the settings describe, sized from the memory budget (or ``num_blocks``)."""
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    shape = PoolShape(1, settings.block_size, settings.num_layers, settings.num_kv_heads, settings.head_dim, dtype)
+    num_blocks = settings.num_blocks
+    if not num_blocks:
+        size, fraction = parse_memory(settings.kv_memory)
+        budget = size or int(free_memory(device) * fraction)
+        num_blocks = blocks_for_budget(budget, shape.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(f"a KV memory budget of {budget} bytes holds no block of {shape.bytes_per_block} bytes")
+    shape = PoolShape(num_blocks, shape.block_size, shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
+    pool = KVPool(shape, device)
+    log.info("KV blocks: %d (%d tokens), %d bytes per block, %.1f MiB on %s (%s backend, %s)", num_blocks,
+             shape.num_slots, shape.bytes_per_block, pool.pool_bytes / 2**20, device, pool.backend.name,
+             tensors.NAMES[dtype])
+    return pool
+
+
+async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = ""
+                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A not-yet-started server with the Worker, health and reflection services.
+
+    Returns the server, the bound port and the health servicer (NOT_SERVING until the
+    caller marks the pool registered).
+    """
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()],
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE),
+                                      ("grpc.so_reuseport", 0)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(pool, pool_id, allocator), server)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
+
+
+class Registrar:
+    """Registers the pool with the allocator and keeps it alive with heartbeats."""
+
+    def __init__(self, pool: KVPool, pool_id: str, allocator: str, advertise: str, timeout: float) -> None:
+        self.pool = pool
+        self.pool_id = pool_id
+        self.address = advertise
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(allocator)
+        self.stub = allocator_pb2_grpc.AllocatorStub(self.channel)
+
+    async def register(self) -> int:
+        """Registers (a new epoch), retrying while the allocator is unreachable."""
+        s = self.pool.shape
+        request = allocator_pb2.RegisterPoolRequest(
+            pool_id=self.pool_id, worker_address=self.address, request_id=uuid.uuid4().hex,
+            geometry=allocator_pb2.PoolGeometry(num_blocks=s.num_blocks, block_size=s.block_size,
+                                                num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
+                                                head_dim=s.head_dim, dtype=tensors.NAMES[s.dtype]))
+        start, delay, attempts = time.monotonic(), 0.1, 0
+        while True:
+            attempts += 1
+            try:
+                reply = await self.stub.RegisterPool(request, timeout=10)
+                break
+            except grpc.aio.AioRpcError as exc:
+                waited = time.monotonic() - start
+                if exc.code() not in RETRYABLE or (self.timeout and waited > self.timeout):
+                    raise RuntimeError(f"cannot register pool {self.pool_id}: {exc.code().name}: {exc.details()}")
+                if attempts == 1 or attempts % 10 == 0:
+                    log.info("allocator not reachable yet (%s); retrying", exc.code().name)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.pool.epoch = reply.epoch
+        log.info("pool %s registered at epoch %d (%d blocks of %d tokens)", self.pool_id, reply.epoch,
+                 s.num_blocks, s.block_size)
+        return reply.epoch
+
+    async def heartbeat(self) -> None:
+        """One heartbeat; re-registers if the allocator forgot the pool; raises
+        PoolTakenOver if the pool was registered again by another process."""
+        try:
+            await self.stub.Heartbeat(allocator_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.pool.epoch),
+                                      timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                log.warning("the allocator does not know pool %s (its state was reset): registering again",
+                            self.pool_id)
+                await self.register()
+            elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise PoolTakenOver(exc.details()) from None
+            else:
+                log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
+    """Serves until SIGINT / SIGTERM (exit 0), or until the pool is taken over (exit 3)."""
+    pool = build_pool(settings)
+    server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
+                                                        settings.allocator)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"kvservice worker {settings.pool_id} listening on {settings.host}:{port}", flush=True)
+    registrar = None
+    code = 0
+    try:
+        if settings.allocator:
+            advertise = settings.advertise or f"{settings.host}:{port}"
+            registrar = Registrar(pool, settings.pool_id, settings.allocator, advertise, settings.register_timeout)
+            registering = asyncio.ensure_future(registrar.register())
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([registering, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not registering.done():
+                registering.cancel()
+                return 0
+            stopping.cancel()
+            registering.result()
+        else:
+            pool.epoch = 1
+            log.info("standalone: no allocator; pool %s serves epoch 1", settings.pool_id)
+        await set_serving(health_servicer, True)
+        if port_file:
+            with open(port_file + ".tmp", "w") as f:
+                f.write(f"{port}\n{settings.pool_id}\n")
+            os.replace(port_file + ".tmp", port_file)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.heartbeat_interval)
+            if registrar is not None and not stop.is_set():
+                await registrar.heartbeat()
+    except PoolTakenOver as exc:
+        log.error("pool %s was registered again elsewhere; this worker stops: %s", settings.pool_id, exc)
+        code = 3
+    finally:
+        await set_serving(health_servicer, False)
+        await server.stop(grace=2)
+        if registrar is not None:
+            await registrar.close()
+    return code
