@@ -84,8 +84,9 @@ def check_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_tokens("query", query, None, head_dim, k_cache.dtype, k_cache.device)
     if query.shape[1] % num_kv_heads != 0 or query.shape[1] == 0:
         _fail(f"query: {query.shape[1]} heads is not a multiple of the cache's {num_kv_heads} KV heads")
-    if block_tables.dim() != 2:
-        _fail(f"block_tables: expected [num_seqs, max_num_blocks], got shape {tuple(block_tables.shape)}")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+        shape = tuple(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables).__name__
+        _fail(f"block_tables: expected [num_seqs, max_num_blocks], got {shape}")
     num_seqs = block_tables.shape[0]
     check_index("block_tables", block_tables, torch.int32, tuple(block_tables.shape), k_cache.device)
     check_index("context_lens", context_lens, torch.int32, (num_seqs,), k_cache.device)
