@@ -4,6 +4,7 @@ arithmetic of ``kernels.cuda_backend`` (row tiles, split-K) covers every row onc
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -18,7 +19,16 @@ except Exception as exc:  # the library or its CuPy binding is missing
     NVRTC_VERSION = None
     NVRTC_ERROR = f"NVRTC cannot be loaded ({type(exc).__name__}: {exc}); install cupy-cuda12x and nvidia-cuda-nvrtc-cu12"
 
-needs_nvrtc = pytest.mark.skipif(NVRTC_VERSION is None, reason=NVRTC_ERROR or "")
+#: `make test` always installs NVRTC (the project's `cuda` extra), so a missing one is a
+#: failure, not a skip: the compile check must never pass silently. An environment that
+#: deliberately has no NVRTC sets KVSERVICE_ALLOW_NO_NVRTC=1 to skip instead.
+needs_nvrtc = pytest.mark.skipif(NVRTC_VERSION is None and os.environ.get("KVSERVICE_ALLOW_NO_NVRTC") == "1",
+                                 reason=NVRTC_ERROR or "")
+
+
+def test_nvrtc_is_available():
+    if NVRTC_VERSION is None and os.environ.get("KVSERVICE_ALLOW_NO_NVRTC") != "1":
+        pytest.fail(NVRTC_ERROR)
 
 
 @pytest.fixture(scope="module")

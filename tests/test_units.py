@@ -71,10 +71,26 @@ def test_settings_read_env_and_flags_win():
         Settings(max_items_per_call=0)
 
 
-@pytest.mark.parametrize("name", ["STEP", "REAP", "REGISTER", "PROBE", "LEASE_TOUCH", "LEASE_GRANT",
+@pytest.mark.parametrize("name", ["STEP", "REAP", "REGISTER", "PROBE", "HEARTBEAT", "LEASE_TOUCH", "LEASE_GRANT",
                                   "LEASE_KEEPALIVE", "LEASE_ATTACH", "LEASE_REVOKE"])
 def test_every_script_documents_its_keys_args_and_reply(name):
     body = getattr(lua, name).removeprefix(lua.LIB).removeprefix(lua.LEASE_LIB)
     header = body.strip().splitlines()[:8]
     text = "\n".join(header)
     assert "KEYS" in text and "ARGV" in text and "Returns" in text, text
+
+
+def test_the_kvservice_package_never_imports_torch_or_cupy():
+    import pkgutil
+    import subprocess
+    import sys
+
+    import kvservice
+
+    modules = [f"kvservice.{m.name}" for m in pkgutil.iter_modules(kvservice.__path__) if m.name != "__main__"]
+    assert "kvservice.client" in modules and "kvservice.server" in modules
+    code = (f"import sys; import {', '.join(modules)}; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy', 'worker', 'kernels')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
