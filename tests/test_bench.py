@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 REQUIRED = ("floor_us", "step_p50_us", "step_p99_us", "rpcs_per_step", "alloc_us_per_token",
-            "create_cold_2k_us", "create_cached_2k_us", "fork_us", "free_us")
+            "create_cold_2k_us", "create_cached_2k_us", "fork_us", "free_us", "script_rpc_us",
+            "script_rpc_p99_us", "decode_free_all_us")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,6 +27,7 @@ def test_bench_json_has_every_figure():
     # Block-boundary crossings are spread over the steps: some RPC most steps, never more than one.
     assert 0 < fig["rpcs_per_step"] <= 1
     assert fig["floor_us"] >= fig["grpc_rtt_us"] and fig["floor_us"] >= fig["redis_ping_us"]
+    assert fig["script_rpc_p99_us"] >= fig["script_rpc_us"]
     assert fig["audit_ok"] is True
     assert set(fig["targets"]) == {"step_p99_us", "alloc_us_per_token", "create_cached_2k_us"}
     assert fig["targets_met"] in (True, False)
