@@ -16,7 +16,7 @@ from typing import Any
 from kvservice import errors, hashing, keys
 from kvservice.config import Settings
 from kvservice.model import (LEASE_ID, POOL_ID, REQUEST_ID, TENANT, Create, Geometry, LeaseInfo,
-                             PoolInfo, SeqDelta, SeqState, StepOutcome, Update, check_token_ids,
+                             PoolInfo, SeqDelta, SeqState, StepOutcome, Update,
                              format_sequence_id, parse_sequence_id)
 from kvservice.store import STALE_EPOCH, ScriptError, Store, blocks_of
 
@@ -32,6 +32,7 @@ class Allocator:
         self.settings = settings or Settings()
         self._geometry: dict[str, tuple[int, Geometry]] = {}
         self._leases: dict[str, tuple[str, set[str]]] = {}   # lease -> (tenant, attached pools)
+        self._sequence_ids: dict[str, tuple[str, int, int, str]] = {}   # parsed ids of recent steps
 
     # ------------------------------------------------------------ pools
 
@@ -188,23 +189,31 @@ class Allocator:
 
         by_pool: dict[str, dict[str, list]] = defaultdict(lambda: {"updates": [], "creates": []})
         seen: set[str] = set()
+        parsed = self._sequence_ids
         for i, u in enumerate(updates):
-            pool_id, epoch, n = parse_sequence_id(u.sequence_id)
-            if u.sequence_id in seen:
-                raise errors.InvalidArgument(f"sequence {u.sequence_id} appears twice in one step")
-            seen.add(u.sequence_id)
+            sid = u.sequence_id
+            ids = parsed.get(sid)
+            if ids is None:
+                pool_id, epoch, n = parse_sequence_id(sid)
+                ids = (pool_id, epoch, n, format_sequence_id(pool_id, epoch, n))
+                if len(parsed) >= 100_000:
+                    parsed.clear()
+                parsed[sid] = ids
+            pool_id, epoch, n, canonical = ids
+            if sid in seen:
+                raise errors.InvalidArgument(f"sequence {sid} appears twice in one step")
+            seen.add(sid)
             cached = self._geometry.get(pool_id)
             current, geo = cached if cached else await self.geometry(pool_id)
             if current != epoch:
                 current, geo = await self.geometry(pool_id, refresh=True)
                 if current != epoch:
-                    raise _epoch_error(u.sequence_id, pool_id, epoch, current)
-            by_pool[pool_id]["updates"].append((i, n, epoch, self._update_payload(u, n, epoch, geo)))
+                    raise _epoch_error(sid, pool_id, epoch, current)
+            by_pool[pool_id]["updates"].append((i, canonical, epoch, self._update_payload(u, n, epoch, geo)))
 
         tenant = ""
         if creates:
-            for c in creates:
-                _check_create(c, s.max_prompt_tokens)
+            packed = [_check_create(c, s.max_prompt_tokens) for c in creates]
             explicit = sorted({c.pool_id for c in creates if c.pool_id})
             for pool_id in explicit:
                 await self.geometry(pool_id)
@@ -214,8 +223,8 @@ class Allocator:
                 raise errors.FailedPrecondition("no pool is registered")
             tenant, lease_deadline = await self._attach(lease_id, candidates)
             for i, c in enumerate(creates):
-                pool_id = c.pool_id or await self._place(c, tenant)
-                by_pool[pool_id]["creates"].append((i, c))
+                pool_id = c.pool_id or await self._place(c, packed[i], tenant)
+                by_pool[pool_id]["creates"].append((i, c, packed[i]))
         else:
             lease_deadline = 0
         outcome = StepOutcome([None] * len(updates), [None] * len(creates), [])
@@ -259,47 +268,56 @@ class Allocator:
     # ------------------------------------------------------------ helpers
 
     def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry) -> str:
-        """The update's line for the step script (see ``lua.STEP``)."""
+        """The update's line for the step script (see ``lua.STEP``). Runs for every
+        update of every step: each field is read once (``u`` may be a proto message)."""
+        sid = u.sequence_id
+        t, g = u.num_tokens, u.grow_to
+        if not -1 <= t <= MAX_INT:
+            raise errors.InvalidArgument(f"sequence {sid}: num_tokens {t} is out of range")
+        if not 0 <= g <= MAX_INT:
+            raise errors.InvalidArgument(f"sequence {sid}: grow_to {g} is out of range")
+        if t == 0:
+            raise errors.InvalidArgument(f"sequence {sid}: num_tokens must be >= 1 (or -1)")
+        forks = u.fork_grow_to
+        free = u.free
+        if free and (g or forks):
+            raise errors.InvalidArgument(f"sequence {sid} cannot be freed and forked or grown in one step")
+        fork_text = "-"
+        if forks:
+            if len(forks) > self.settings.max_forks_per_sequence:
+                raise errors.InvalidArgument(
+                    f"sequence {sid}: {len(forks)} forks, at most {self.settings.max_forks_per_sequence} per step")
+            for f in forks:
+                if not 0 <= f <= MAX_INT:
+                    raise errors.InvalidArgument(f"sequence {sid}: fork_grow_to {f} is out of range")
+            fork_text = ",".join(map(str, forks))
+        commits = u.commits
+        if not commits:
+            parent_hash = u.parent_hash
+            return f"{n} {epoch} {t} {g} {1 if free else 0} 0 {parent_hash.hex() if parent_hash else '-'} {fork_text} -"
+        if t < 0:
+            raise errors.InvalidArgument(f"sequence {sid}: commits need num_tokens")
+        parent = u.parent_hash
+        if len(parent) != hashing.HASH_BYTES:
+            raise errors.InvalidArgument(f"sequence {sid}: parent_hash must be {hashing.HASH_BYTES} bytes")
+        parent_hex = parent.hex()
+        first = commits[0].index
+        if first < 0:
+            raise errors.InvalidArgument(f"sequence {sid}: commit starts at block {first}; block indexes start at 0")
         bs = geo.block_size
-        for name, value in (("num_tokens", u.num_tokens), ("grow_to", u.grow_to)):
-            if not -1 <= value <= MAX_INT or (name == "grow_to" and value < 0):
-                raise errors.InvalidArgument(f"sequence {u.sequence_id}: {name} {value} is out of range")
-        if u.num_tokens == 0:
-            raise errors.InvalidArgument(f"sequence {u.sequence_id}: num_tokens must be >= 1 (or -1)")
-        if u.free and (u.grow_to or u.fork_grow_to):
-            raise errors.InvalidArgument(f"sequence {u.sequence_id} cannot be freed and forked or grown in one step")
-        if len(u.fork_grow_to) > self.settings.max_forks_per_sequence:
-            raise errors.InvalidArgument(
-                f"sequence {u.sequence_id}: {len(u.fork_grow_to)} forks, at most "
-                f"{self.settings.max_forks_per_sequence} per step")
-        for g in u.fork_grow_to:
-            if not 0 <= g <= MAX_INT:
-                raise errors.InvalidArgument(f"sequence {u.sequence_id}: fork_grow_to {g} is out of range")
-        hashes: list[str] = []
-        first = 0
-        if u.commits:
-            if u.num_tokens < 0:
-                raise errors.InvalidArgument(f"sequence {u.sequence_id}: commits need num_tokens")
-            if len(u.parent_hash) != hashing.HASH_BYTES:
+        hashes = []
+        index = first
+        for c in commits:
+            if c.index != index:
+                raise errors.InvalidArgument(f"sequence {sid}: commits must be consecutive blocks")
+            tokens = c.token_ids
+            if len(tokens) != bs:
                 raise errors.InvalidArgument(
-                    f"sequence {u.sequence_id}: parent_hash must be {hashing.HASH_BYTES} bytes")
-            first = u.commits[0].index
-            if first < 0:
-                raise errors.InvalidArgument(
-                    f"sequence {u.sequence_id}: commit starts at block {first}; block indexes start at 0")
-            parent = u.parent_hash
-            for j, c in enumerate(u.commits):
-                if c.index != first + j:
-                    raise errors.InvalidArgument(f"sequence {u.sequence_id}: commits must be consecutive blocks")
-                if len(c.token_ids) != bs:
-                    raise errors.InvalidArgument(
-                        f"sequence {u.sequence_id}: block {c.index} has {len(c.token_ids)} tokens, "
-                        f"a full block has {bs}")
-                check_token_ids(c.token_ids, f"sequence {u.sequence_id}")
-                parent = hashing.block_hash(parent, c.token_ids)
-                hashes.append(parent.hex())
-        return (f"{n} {epoch} {u.num_tokens} {u.grow_to} {1 if u.free else 0} {first} "
-                f"{u.parent_hash.hex() or '-'} {','.join(map(str, u.fork_grow_to)) or '-'} {''.join(hashes) or '-'}")
+                    f"sequence {sid}: block {index} has {len(tokens)} tokens, a full block has {bs}")
+            parent = hashing.block_hash_checked(parent, tokens, f"sequence {sid}")
+            hashes.append(parent.hex())
+            index += 1
+        return f"{n} {epoch} {t} {g} {1 if free else 0} {first} {parent_hex} {fork_text} {''.join(hashes)}"
 
     async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
                             lease_deadline: int, request_id: str) -> dict[str, Any]:
@@ -308,11 +326,11 @@ class Allocator:
         (the script then reads its deadline there)."""
         epoch, geo = await self.geometry(pool_id)
         lines = []
-        for _, c in items["creates"]:
+        for _, c, data in items["creates"]:
             root = hashing.root_hash(self._salt(tenant), c.extra_key)
-            nfull = len(c.token_ids) // geo.block_size
-            hs = hashing.chain_hashes(root, c.token_ids, geo.block_size, nfull)
-            lines.append(f"{epoch} {len(c.token_ids)} {root.hex()} {b''.join(hs).hex() or '-'}")
+            n = len(data) // 4
+            hs = hashing.chain_hashes(root, data, geo.block_size, n // geo.block_size)
+            lines.append(f"{epoch} {n} {root.hex()} {b''.join(hs).hex() or '-'}")
         argv = ["\n".join(u[3] for u in items["updates"]), "\n".join(lines)]
         # The request's identity for retries: the pool's items, not the volatile header.
         digest = hashlib.sha256(f"{lease_id}\x1f{argv[0]}\x1f{argv[1]}".encode()).hexdigest() if request_id else ""
@@ -340,7 +358,7 @@ class Allocator:
         """Raises NotFound or FailedPrecondition unless the lease is live (writes nothing)."""
         await self.store.attach_lease(lease_id, [], self._tombstone_ms())
 
-    async def _place(self, c: Create, tenant: str) -> str:
+    async def _place(self, c: Create, data: bytes, tenant: str) -> str:
         """The pool with the longest cached prefix of ``c``, then the most free blocks."""
         pools = await self.store.pool_ids()
         root = hashing.root_hash(self._salt(tenant), c.extra_key)
@@ -350,8 +368,8 @@ class Allocator:
                 epoch, geo = await self.geometry(pool_id)
             except errors.NotFound:
                 return None
-            max_hit = (len(c.token_ids) - 1) // geo.block_size
-            hs = [h.hex() for h in hashing.chain_hashes(root, c.token_ids, geo.block_size, max_hit)]
+            max_hit = (len(data) // 4 - 1) // geo.block_size
+            hs = [h.hex() for h in hashing.chain_hashes(root, data, geo.block_size, max_hit)]
             reply = await self.store.probe(pool_id, epoch, hs)
             return int(reply["hits"]) * geo.block_size, int(reply["available"]), pool_id
 
@@ -365,13 +383,16 @@ class Allocator:
                  outcome: StepOutcome) -> None:
         epoch = int(reply["epoch"])
         bs = self._geometry[pool_id][1].block_size
-        for (i, n, _, _), d in zip(items["updates"], _list(reply.get("updates"))):
-            cow = tuple(d["cow"]) if d.get("cow") else None
-            children = [_state(pool_id, epoch, int(k["n"]), k, lease_id, bs) for k in _list(d.get("kids"))]
-            outcome.updates[i] = SeqDelta(format_sequence_id(pool_id, epoch, n), int(d["t"]),
-                                          blocks_of(d.get("nb") or ""), cow, int(d["c"]),
-                                          bytes.fromhex(d["h"]), children, bool(d.get("freed")))
-        for (i, _), rec in zip(items["creates"], _list(reply.get("created"))):
+        updates = outcome.updates
+        for (i, sid, _, _), d in zip(items["updates"], _list(reply.get("updates"))):
+            cow = d.get("cow")
+            kids = d.get("kids")
+            nb = d.get("nb")
+            updates[i] = SeqDelta(sid, d["t"], blocks_of(nb) if nb else [], tuple(cow) if cow else None, d["c"],
+                                  bytes.fromhex(d["h"]),
+                                  [_state(pool_id, epoch, int(k["n"]), k, lease_id, bs) for k in kids]
+                                  if kids else [], bool(d.get("freed")))
+        for (i, _, _), rec in zip(items["creates"], _list(reply.get("created"))):
             outcome.created[i] = _state(pool_id, epoch, int(rec["n"]), rec, lease_id, bs)
         outcome.copies.extend((pool_id, int(a), int(b)) for a, b in _list(reply.get("copies")))
 
@@ -436,13 +457,15 @@ def _check_request_id(request_id: str) -> None:
         raise errors.InvalidArgument(f"malformed request_id {request_id!r} (1..128 of A-Z a-z 0-9 _ . : -)")
 
 
-def _check_create(c: Create, max_prompt_tokens: int) -> None:
+def _check_create(c: Create, max_prompt_tokens: int) -> bytes:
+    """Checks a create; returns its prompt as the bytes the block hashes take."""
     if not c.token_ids:
         raise errors.InvalidArgument("a create needs a non-empty prompt (token_ids)")
     if len(c.token_ids) > max_prompt_tokens:
         raise errors.InvalidArgument(f"prompt of {len(c.token_ids)} tokens, at most {max_prompt_tokens}")
-    check_token_ids(c.token_ids, "prompt")
+    data = hashing.token_bytes_checked(c.token_ids, "prompt")
     if c.pool_id:
         _check_pool_id(c.pool_id)
     if len(c.extra_key) > 1024:
         raise errors.InvalidArgument("extra_key is longer than 1024 bytes")
+    return data

@@ -13,7 +13,11 @@ from array import array
 from hashlib import blake2b
 from sys import byteorder
 
+from kvservice.errors import InvalidArgument
+
 HASH_BYTES = 16
+#: Token ids are in 0..MAX_TOKEN_ID (they travel as int64; the hashes take them as uint32).
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def root_hash(salt: str, extra_key: bytes = b"") -> bytes:
@@ -37,9 +41,32 @@ def block_hash(parent: bytes, token_ids) -> bytes:
     return blake2b(parent + _token_bytes(token_ids), digest_size=HASH_BYTES).digest()
 
 
+def token_bytes_checked(token_ids, what: str) -> bytes:
+    """The ids as little-endian uint32 bytes (what the hashes take), after checking each is
+    in 0..2^31-1: InvalidArgument names the first one that is not and ``what`` it belongs
+    to. One pass in C for valid input."""
+    try:
+        packed = array("i", token_ids)        # signed 32-bit: ids above 2^31-1 overflow
+        ok = not packed or min(packed) >= 0
+    except (OverflowError, TypeError):
+        ok = False
+    if not ok:
+        bad = next(t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID)
+        raise InvalidArgument(f"{what}: token id {bad} is outside 0..{MAX_TOKEN_ID}")
+    if byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def block_hash_checked(parent: bytes, token_ids, what: str) -> bytes:
+    """``block_hash`` after ``token_bytes_checked``."""
+    return blake2b(parent + token_bytes_checked(token_ids, what), digest_size=HASH_BYTES).digest()
+
+
 def chain_hashes(parent: bytes, token_ids, block_size: int, num_blocks: int) -> list[bytes]:
-    """Hashes of the first ``num_blocks`` full blocks of ``token_ids``, chained from ``parent``."""
-    data = _token_bytes(token_ids)
+    """Hashes of the first ``num_blocks`` full blocks of ``token_ids`` (ids, or their
+    bytes from ``token_bytes_checked``), chained from ``parent``."""
+    data = token_ids if isinstance(token_ids, bytes) else _token_bytes(token_ids)
     width = 4 * block_size
     out = []
     for i in range(num_blocks):

@@ -6,7 +6,8 @@ so the two tag families never meet.
 
 Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KEYS:
 
-- ``meta``   hash: geometry, ``epoch``, ``worker_address``, ``registered_ms``, ``next_seq``
+- ``meta``   hash: geometry, ``epoch``, ``worker_address``, ``registered_ms``, ``next_seq``,
+  ``heartbeat_ms`` (the last worker heartbeat, Redis clock)
 - ``state``  hash: ``fresh`` (blocks at or above it were never used, hence free), ``clock``
   (LRU counter of the evictable set)
 - ``free``   list of free block ids (below ``fresh``)

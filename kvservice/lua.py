@@ -25,6 +25,15 @@ local K_DEAD, K_STATS, K_TABS = KEYS[11], KEYS[12], KEYS[13]
 local CHUNK = 4000
 local W = 6   -- hex digits per block id in a stored block table
 
+-- Block ids and counts as Redis arguments: Redis would format each number argument
+-- itself (slowly); D caches the decimal string of a number, made once per call.
+local D = {}
+local function dec(n)
+  local s = string.format('%d', n)
+  D[n] = s
+  return s
+end
+
 local function bad(code, msg, extra)
   error({code = code, msg = msg, extra = extra}, 0)
 end
@@ -55,8 +64,9 @@ local function call_chunked(cmd, key, args, step)
 end
 
 local function hmget_chunked(key, fields)
-  local out = {}
   local n = #fields
+  if n > 0 and n <= CHUNK then return redis.call('HMGET', key, unpack(fields)) end
+  local out = {}
   local i = 1
   while i <= n do
     local j = math.min(i + CHUNK - 1, n)
@@ -95,20 +105,22 @@ end
 
 -- Reference-count overlay. refs[b]: planned count; init[b]: 'u' referenced, 'e' evictable,
 -- 'n' new (negative placeholder). zero: blocks whose count reached 0, in order.
-local refs, init, zero = {}, {}, {}
+-- orig[b]: the count as loaded; evl: the loaded blocks that were evictable (count 0).
+local refs, init, zero, orig, evl = {}, {}, {}, {}, {}
 local nplace = 0
 
 local function load_refs(blocks)
-  local want, seen = {}, {}
+  local want, fields = {}, {}
   for _, b in ipairs(blocks) do
-    if refs[b] == nil and not seen[b] then seen[b] = true; want[#want + 1] = b end
+    if refs[b] == nil then refs[b] = 0; want[#want + 1] = b; fields[#fields + 1] = D[b] or dec(b) end
   end
   if #want == 0 then return end
-  local got = hmget_chunked(K_REF, want)
+  local got = hmget_chunked(K_REF, fields)
   for i, b in ipairs(want) do
     local r = tonumber(got[i]) or 0
     refs[b] = r
-    if r > 0 then init[b] = 'u' else init[b] = 'e' end
+    orig[b] = r
+    if r > 0 then init[b] = 'u' else init[b] = 'e'; evl[#evl + 1] = b end
   end
 end
 
@@ -130,7 +142,9 @@ end
 local function load_rec(meta, tab)
   local l, t, c, k, h = string.match(meta, '^(%S+) (%d+) (%d+) (%d+) (%x+)$')
   tab = tab or ''
-  return {l = l, t = tonumber(t), c = tonumber(c), k = tonumber(k), h = h, tab = tab, nb = #tab / W, add = {}}
+  -- (lastb: the stored last block once read; a slot made here costs less than a rehash later)
+  return {l = l, t = tonumber(t), c = tonumber(c), k = tonumber(k), h = h, tab = tab, nb = #tab / W, add = {},
+          lastb = false}
 end
 
 local function meta_string(rec)
@@ -139,6 +153,26 @@ end
 
 local function hexid(b)
   return string.format('%06x', b)
+end
+
+-- The W-digit hex ids of a list of blocks, concatenated (placeholders resolved through map).
+local function hexids(list, map)
+  local n = #list
+  if n == 0 then return '' end
+  local ids = list
+  if map then
+    ids = {}
+    for i = 1, n do local b = list[i]; ids[i] = map[b] or b end
+  end
+  if n == 1 then return string.format('%06x', ids[1]) end
+  local parts = {}
+  local i = 1
+  while i <= n do
+    local j = math.min(i + 499, n)
+    parts[#parts + 1] = string.format(string.rep('%06x', j - i + 1), unpack(ids, i, j))
+    i = j + 1
+  end
+  return table.concat(parts)
 end
 
 local function rec_len(rec)
@@ -157,14 +191,15 @@ local function rec_blocks(rec)
   return out
 end
 
--- The table to store, placeholders resolved through map.
+-- The table to store, placeholders resolved through map; and the appended blocks' part.
 local function rec_tab(rec, map)
-  local parts = {rec.tab}
+  local tab = rec.tab
   if rec.cowlast then
-    parts[1] = string.sub(rec.tab, 1, (rec.nb - 1) * W) .. hexid(map[rec.cowlast] or rec.cowlast)
+    tab = string.sub(tab, 1, (rec.nb - 1) * W) .. hexid(map[rec.cowlast] or rec.cowlast)
   end
-  for _, b in ipairs(rec.add) do parts[#parts + 1] = hexid(map[b] or b) end
-  return table.concat(parts)
+  if #rec.add == 0 then return tab, '' end
+  local added = hexids(rec.add, map)
+  return tab .. added, added
 end
 
 -- Drops one sequence record's references, last block first (so that a chain's tail is
@@ -175,11 +210,17 @@ end
 
 -- Blocks that leave the evictable set or reach 0 do so here; returns how many blocks
 -- the plan makes available beyond the current free and evictable sets (may be < 0).
+-- (A referenced block reaches 0 only through decref, so it is in zero.)
 local function net_released()
   local n = 0
-  for b, r in pairs(refs) do
-    if init[b] == 'e' and r > 0 then n = n - 1 end
-    if init[b] == 'u' and r == 0 then n = n + 1 end
+  for _, b in ipairs(evl) do
+    if refs[b] > 0 then n = n - 1 end
+  end
+  if #zero > 0 then
+    local seen = {}
+    for _, b in ipairs(zero) do
+      if refs[b] == 0 and init[b] == 'u' and not seen[b] then seen[b] = true; n = n + 1 end
+    end
   end
   return n
 end
@@ -204,11 +245,11 @@ local function apply(num_blocks, has_hash, stats)
   local revive, set_ref, del_ref = {}, {}, {}
   for b, r in pairs(refs) do
     if b >= 0 then
-      if init[b] == 'e' and r > 0 then revive[#revive + 1] = b end
+      if init[b] == 'e' and r > 0 then revive[#revive + 1] = D[b] or dec(b) end
       if r > 0 then
-        set_ref[#set_ref + 1] = b; set_ref[#set_ref + 1] = r
+        if r ~= orig[b] then set_ref[#set_ref + 1] = D[b] or dec(b); set_ref[#set_ref + 1] = D[r] or dec(r) end
       elseif init[b] == 'u' then
-        del_ref[#del_ref + 1] = b
+        del_ref[#del_ref + 1] = D[b] or dec(b)
       end
     end
   end
@@ -222,9 +263,9 @@ local function apply(num_blocks, has_hash, stats)
       if has_hash(b) then
         if clock == nil then clock = tonumber(redis.call('HGET', K_STATE, 'clock')) or 0 end
         clock = clock + 1
-        to_evict[#to_evict + 1] = clock; to_evict[#to_evict + 1] = b
+        to_evict[#to_evict + 1] = clock; to_evict[#to_evict + 1] = D[b] or dec(b)
       else
-        to_free[#to_free + 1] = b
+        to_free[#to_free + 1] = D[b] or dec(b)
       end
     end
   end
@@ -252,7 +293,7 @@ local function apply(num_blocks, has_hash, stats)
       for i = 1, #popped, 2 do
         local b = tonumber(popped[i])
         got[#got + 1] = b
-        victims[#victims + 1] = b
+        victims[#victims + 1] = D[b] or dec(b)
       end
       local hashes = hmget_chunked(K_B2H, victims)
       local hs = {}
@@ -265,7 +306,8 @@ local function apply(num_blocks, has_hash, stats)
       error('allocator invariant broken: planned ' .. nplace .. ' blocks, found ' .. #got)
     end
     for i = 1, nplace do
-      set_ref[#set_ref + 1] = got[i]; set_ref[#set_ref + 1] = refs[-i]
+      local b, r = got[i], refs[-i]
+      set_ref[#set_ref + 1] = D[b] or dec(b); set_ref[#set_ref + 1] = D[r] or dec(r)
     end
     stats.blocks_allocated = (stats.blocks_allocated or 0) + nplace
   end
@@ -305,23 +347,74 @@ local function split_hashes(s)
   return out
 end
 
-local ups, creates = {}, {}
-for line in string.gmatch(ARGV[2], '[^\n]+') do
-  local s, e, t, g, free, ci, ph, fks, cms = string.match(line,
-    '^(%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%S+) (%S+) (%S+)$')
-  if not s then return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'malformed update: ' .. line}) end
-  local fk = {}
+-- An update keeps its commit hashes as one string (u.cms, u.ncm of them); hash j of u:
+local function cm_hash(u, j)
+  if u.ncm == 1 and #u.cms == 32 then return u.cms end
+  return string.sub(u.cms, j * 32 - 31, j * 32)
+end
+
+local NOFORK = {}   -- shared by updates without forks (never written)
+local function new_update(s, e, t, g, free, ci, ph, fks, cms)
+  local fk = NOFORK
   if fks ~= '-' then
+    fk = {}
     for x in string.gmatch(fks, '%d+') do fk[#fk + 1] = tonumber(x) end
   end
   if ph == '-' then ph = '' end
-  ups[#ups + 1] = {s = s, e = tonumber(e), t = tonumber(t), g = tonumber(g), free = free == '1',
-                   ci = tonumber(ci), ph = ph, fk = fk, cm = split_hashes(cms)}
+  return {s = s, e = tonumber(e), t = tonumber(t), g = tonumber(g), free = free == '1',
+          ci = tonumber(ci), ph = ph, fk = fk, cms = cms, ncm = math.floor(#cms / 32)}
 end
-for line in string.gmatch(ARGV[3], '[^\n]+') do
-  local e, n, root, hs = string.match(line, '^(%d+) (%d+) (%x+) (%S+)$')
-  if not e then return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'malformed create: ' .. line}) end
-  creates[#creates + 1] = {e = tonumber(e), n = tonumber(n), root = root, hs = split_hashes(hs)}
+
+local UPDATE_LINE = '(%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%S+) (%S+) (%S+)'
+local ups, creates = {}, {}
+-- Fast path: every line well formed and '\n'-separated, read in one pass; anything else
+-- (a malformed or empty line) is read again line by line.
+local fast = false
+if ARGV[2] ~= '' then
+  local text = ARGV[2] .. '\n'
+  local pos = 1
+  for at, s, e, t, g, free, ci, ph, fks, cms, nx in string.gmatch(text, '()' .. UPDATE_LINE .. '\n()') do
+    if at ~= pos then break end
+    ups[#ups + 1] = new_update(s, e, t, g, free, ci, ph, fks, cms)
+    pos = nx
+  end
+  fast = pos == #text + 1
+end
+if not fast then
+  ups = {}
+  for line in string.gmatch(ARGV[2], '[^\n]+') do
+    local s, e, t, g, free, ci, ph, fks, cms = string.match(line, '^' .. UPDATE_LINE .. '$')
+    if not s then return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'malformed update: ' .. line}) end
+    ups[#ups + 1] = new_update(s, e, t, g, free, ci, ph, fks, cms)
+  end
+end
+-- Lines split with plain finds, and the long last field checked for whitespace the same
+-- way ('^(%d+) (%d+) (%x+) (%S+)$' costs per character).
+do
+  local text, pos = ARGV[3], 1
+  local len = #text
+  while pos <= len do
+    local nl = string.find(text, '\n', pos, true) or len + 1
+    if nl > pos then
+      local line = string.sub(text, pos, nl - 1)
+      local e, n, root, at = string.match(line, '^(%d+) (%d+) (%x+) ()')
+      local hs
+      if e then
+        hs = string.sub(line, at)
+        if hs == '' or string.find(hs, ' ', 1, true) or string.find(hs, '\t', 1, true) or
+            string.find(hs, '\r', 1, true) or string.find(hs, '\v', 1, true) or string.find(hs, '\f', 1, true) then
+          e = nil
+        end
+      end
+      if not e then return cjson.encode({err = 'INVALID_ARGUMENT', msg = 'malformed create: ' .. line}) end
+      creates[#creates + 1] = {e = tonumber(e), n = tonumber(n), root = root, hs = split_hashes(hs)}
+    end
+    pos = nl + 1
+  end
+end
+
+local function sid_of(u)
+  return p.pool .. '/' .. u.e .. '/' .. u.s
 end
 
 local ok, plan = pcall(function()
@@ -329,7 +422,7 @@ local ok, plan = pcall(function()
   local now = now_ms()
   for _, u in ipairs(ups) do
     if u.e ~= epoch then
-      bad('FAILED_PRECONDITION', 'sequence ' .. p.pool .. '/' .. u.e .. '/' .. u.s ..
+      bad('FAILED_PRECONDITION', 'sequence ' .. sid_of(u) ..
         ' belongs to epoch ' .. u.e .. ' but pool ' .. p.pool .. ' was re-registered (epoch ' .. epoch .. ')')
     end
   end
@@ -360,34 +453,37 @@ local ok, plan = pcall(function()
     for i, u in ipairs(ups) do fields[i] = u.s end
     local metas = hmget_chunked(K_SEQS, fields)
     local tabs = hmget_chunked(K_TABS, fields)
+    local lease = p.lease
     for i, u in ipairs(ups) do
-      local sid = p.pool .. '/' .. u.e .. '/' .. u.s
-      if not metas[i] then bad('NOT_FOUND', 'sequence ' .. sid .. ' not found') end
+      if not metas[i] then bad('NOT_FOUND', 'sequence ' .. sid_of(u) .. ' not found') end
       local rec = load_rec(metas[i], tabs[i])
-      if rec.l ~= p.lease then bad('PERMISSION_DENIED', 'sequence ' .. sid .. ' belongs to another lease') end
+      if rec.l ~= lease then bad('PERMISSION_DENIED', 'sequence ' .. sid_of(u) .. ' belongs to another lease') end
       if u.t < 0 then u.t = rec.t end
       if u.t < rec.t then
-        bad('INVALID_ARGUMENT', 'sequence ' .. sid .. ': num_tokens ' .. u.t ..
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': num_tokens ' .. u.t ..
           ' is below the allocator\'s ' .. rec.t)
       end
       if u.t > rec.nb * bs then
-        bad('INVALID_ARGUMENT', 'sequence ' .. sid .. ': num_tokens ' .. u.t ..
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': num_tokens ' .. u.t ..
           ' exceeds its block table (' .. rec.nb .. ' blocks of ' .. bs .. ')')
       end
-      rec.sid = sid
       recs[i] = rec
     end
   end
 
   -- Reference counts: every block of freed and forked sequences, the last block of the rest.
+  -- rec.lastb: the stored table's last block (read once).
   local want = {}
   for i, u in ipairs(ups) do
     local rec = recs[i]
     if u.free or #u.fk > 0 then
       rec.blocks = rec_blocks(rec)
       for _, b in ipairs(rec.blocks) do want[#want + 1] = b end
+      if rec.nb > 0 then rec.lastb = rec.blocks[rec.nb] end
     elseif rec.nb > 0 then
-      want[#want + 1] = rec_block(rec, rec.nb)
+      local b = rec_block(rec, rec.nb)
+      rec.lastb = b
+      want[#want + 1] = b
     end
   end
   load_refs(want)
@@ -396,37 +492,48 @@ local ok, plan = pcall(function()
   local commit_hashes, commit_blocks = {}, {}
   for i, u in ipairs(ups) do
     local rec = recs[i]
-    if u.t > rec.t and rec.t % bs ~= 0 and refs[rec_block(rec, rec.nb)] > 1 then
-      bad('FAILED_PRECONDITION', 'sequence ' .. rec.sid .. ': tokens were appended into its shared last block without a step')
+    if u.t > rec.t and rec.t % bs ~= 0 and refs[rec.lastb or rec_block(rec, rec.nb)] > 1 then
+      bad('FAILED_PRECONDITION', 'sequence ' .. sid_of(u) .. ': tokens were appended into its shared last block without a step')
     end
     rec.t = u.t
-    if #u.cm > 0 then
+    local ncm = u.ncm
+    if ncm > 0 then
       if u.ci ~= rec.c then
-        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': commit starts at block ' .. u.ci ..
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': commit starts at block ' .. u.ci ..
           ' but ' .. rec.c .. ' blocks are committed')
       end
       if u.ph ~= rec.h then
-        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': parent_hash does not match its last committed block')
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': parent_hash does not match its last committed block')
       end
-      local last = u.ci + #u.cm
+      local last = u.ci + ncm
       if last * bs > u.t then
-        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': block ' .. (last - 1) ..
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': block ' .. (last - 1) ..
           ' is not full at num_tokens ' .. u.t)
       end
-      for j, h in ipairs(u.cm) do
+      local h
+      for j = 1, ncm do
+        h = cm_hash(u, j)
         commit_hashes[#commit_hashes + 1] = h
-        commit_blocks[#commit_blocks + 1] = rec_block(rec, u.ci + j)
+        local idx = u.ci + j
+        if idx == rec.nb and rec.lastb then
+          commit_blocks[#commit_blocks + 1] = rec.lastb
+        else
+          commit_blocks[#commit_blocks + 1] = rec_block(rec, idx)
+        end
       end
       rec.c = last
-      rec.h = u.cm[#u.cm]
+      rec.h = h
     end
   end
 
   -- Which hashes are cached already (commits and prompts), and which blocks have one.
-  local lookup = {}
-  for _, h in ipairs(commit_hashes) do lookup[#lookup + 1] = h end
-  for _, c in ipairs(creates) do
-    for _, h in ipairs(c.hs) do lookup[#lookup + 1] = h end
+  local lookup = commit_hashes
+  if #creates > 0 then
+    lookup = {}
+    for _, h in ipairs(commit_hashes) do lookup[#lookup + 1] = h end
+    for _, c in ipairs(creates) do
+      for _, h in ipairs(c.hs) do lookup[#lookup + 1] = h end
+    end
   end
   local known = {}
   if #lookup > 0 then
@@ -435,14 +542,17 @@ local ok, plan = pcall(function()
       if got[i] then known[h] = tonumber(got[i]) else known[h] = false end
     end
   end
-  local pending, regs = {}, {}   -- hash -> block, and the list of {hash, block} to write
+  -- hash -> block, and the hashes and blocks to write
+  local pending, reg_hs, reg_bs = {}, {}, {}
   if #commit_blocks > 0 then
-    local cur = hmget_chunked(K_B2H, commit_blocks)
+    local fields = {}
+    for j, b in ipairs(commit_blocks) do fields[j] = D[b] or dec(b) end
+    local cur = hmget_chunked(K_B2H, fields)
     for j, h in ipairs(commit_hashes) do
       local b = commit_blocks[j]
       if not known[h] and not pending[h] and not cur[j] then
         pending[h] = b
-        regs[#regs + 1] = {h, b}
+        reg_hs[#reg_hs + 1] = h; reg_bs[#reg_bs + 1] = b
       end
     end
   end
@@ -452,7 +562,7 @@ local ok, plan = pcall(function()
   for i, u in ipairs(ups) do
     if u.free then
       if #u.fk > 0 or u.g > 0 then
-        bad('INVALID_ARGUMENT', 'sequence ' .. recs[i].sid .. ' cannot be freed and forked or grown in one step')
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ' cannot be freed and forked or grown in one step')
       end
       release(recs[i])
       freed[#freed + 1] = i
@@ -472,9 +582,11 @@ local ok, plan = pcall(function()
   local function grow(rec, g)
     if g <= rec.t then return nil end
     local nb = rec_len(rec)
-    local last = rec_block(rec, nb)
+    local last
+    if nb == rec.nb and rec.lastb and not rec.cowlast then last = rec.lastb else last = rec_block(rec, nb) end
     local shared_tail = rec.t % bs ~= 0 and refs[last] > 1
-    need_blocks(math.ceil(g / bs) - nb + (shared_tail and 1 or 0))
+    local more = math.ceil(g / bs) - nb
+    need_blocks(more + (shared_tail and 1 or 0))
     local cow = nil
     if shared_tail then
       local dst = placeholder()
@@ -483,8 +595,9 @@ local ok, plan = pcall(function()
       cow = {last, dst}
       copies[#copies + 1] = cow
     end
-    for _ = 1, math.ceil(g / bs) - nb do
-      rec.add[#rec.add + 1] = placeholder()
+    local add = rec.add
+    for _ = 1, more do
+      add[#add + 1] = placeholder()
     end
     rec.t = g
     return cow
@@ -493,16 +606,19 @@ local ok, plan = pcall(function()
   -- Phase 3: forks (children share every block, then grow).
   local kids = {}
   for i, u in ipairs(ups) do
-    local rec = recs[i]
-    kids[i] = {}
-    for _, g in ipairs(u.fk) do
-      local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, tab = rec.tab, nb = rec.nb, add = {}}
-      for _, b in ipairs(rec.blocks) do refs[b] = refs[b] + 1 end
-      if g > 0 and g < rec.t then
-        bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': fork_grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
+    if #u.fk > 0 then
+      local rec = recs[i]
+      kids[i] = {}
+      for _, g in ipairs(u.fk) do
+        local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, tab = rec.tab, nb = rec.nb, add = {},
+                       lastb = rec.lastb}
+        for _, b in ipairs(rec.blocks) do refs[b] = refs[b] + 1 end
+        if g > 0 and g < rec.t then
+          bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': fork_grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
+        end
+        child.cow = grow(child, g)
+        kids[i][#kids[i] + 1] = child
       end
-      child.cow = grow(child, g)
-      kids[i][#kids[i] + 1] = child
     end
   end
 
@@ -510,10 +626,11 @@ local ok, plan = pcall(function()
   local cows = {}
   for i, u in ipairs(ups) do
     local rec = recs[i]
-    if u.g > 0 and u.g < rec.t then
-      bad('INVALID_ARGUMENT', 'sequence ' .. rec.sid .. ': grow_to ' .. u.g .. ' is below num_tokens ' .. rec.t)
+    local g = u.g
+    if g > 0 and g < rec.t then
+      bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
     end
-    cows[i] = grow(rec, u.g) or false
+    if g > rec.t then cows[i] = grow(rec, g) or false end
   end
 
   -- Phase 5: creates (longest cached prefix, never covering the last prompt token).
@@ -530,18 +647,20 @@ local ok, plan = pcall(function()
       hits[i] = b
     end
     load_refs(hits)
+    local add = rec.add
     for i, b in ipairs(hits) do
       refs[b] = refs[b] + 1
-      rec.add[i] = b
+      add[i] = b
     end
-    need_blocks(math.ceil(c.n / bs) - #hits)
-    for i = #hits + 1, math.ceil(c.n / bs) do
+    local total = math.ceil(c.n / bs)
+    need_blocks(total - #hits)
+    for i = #hits + 1, total do
       local b = placeholder()
-      rec.add[i] = b
+      add[i] = b
       local h = c.hs[i]
       if h and not known[h] and not pending[h] then
         pending[h] = b
-        regs[#regs + 1] = {h, b}
+        reg_hs[#reg_hs + 1] = h; reg_bs[#reg_bs + 1] = b
       end
     end
     rec.k = #hits * bs
@@ -556,7 +675,8 @@ local ok, plan = pcall(function()
       {needed = nplace, available = available})
   end
   return {epoch = epoch, num_blocks = num_blocks, recs = recs, kids = kids, cows = cows, made = made,
-          freed = freed, regs = regs, copies = copies, attach = attach, queried = queried, hit = hit}
+          freed = freed, reg_hs = reg_hs, reg_bs = reg_bs, copies = copies, attach = attach,
+          queried = queried, hit = hit}
 end)
 if not ok then
   if type(plan) == 'table' then return fail_reply(plan) end
@@ -567,21 +687,27 @@ end
 local stats = {cow_copies = #plan.copies, prefix_queried_tokens = plan.queried,
                prefix_hit_tokens = plan.hit}
 -- Hashes of real blocks first, so that a block committed and freed in one step is cached.
+local reg_hs, reg_bs = plan.reg_hs, plan.reg_bs
 local reg_h2b, reg_b2h, by_block = {}, {}, {}
-for _, r in ipairs(plan.regs) do
-  if r[2] >= 0 then
-    reg_h2b[#reg_h2b + 1] = r[1]; reg_h2b[#reg_h2b + 1] = r[2]
-    reg_b2h[#reg_b2h + 1] = r[2]; reg_b2h[#reg_b2h + 1] = r[1]
-    by_block[r[2]] = true
+for k = 1, #reg_hs do
+  local b = reg_bs[k]
+  if b >= 0 then
+    local h, bs = reg_hs[k], D[b] or dec(b)
+    reg_h2b[#reg_h2b + 1] = h; reg_h2b[#reg_h2b + 1] = bs
+    reg_b2h[#reg_b2h + 1] = bs; reg_b2h[#reg_b2h + 1] = h
+    by_block[b] = true
   end
 end
 local zero_blocks = {}
+local zero_fields = {}
 for _, b in ipairs(zero) do
-  if refs[b] == 0 and init[b] == 'u' then zero_blocks[#zero_blocks + 1] = b end
+  if refs[b] == 0 and init[b] == 'u' then
+    zero_blocks[#zero_blocks + 1] = b; zero_fields[#zero_fields + 1] = D[b] or dec(b)
+  end
 end
 local hashed = {}
 if #zero_blocks > 0 then
-  local zero_hashes = hmget_chunked(K_B2H, zero_blocks)
+  local zero_hashes = hmget_chunked(K_B2H, zero_fields)
   for i, b in ipairs(zero_blocks) do if zero_hashes[i] or by_block[b] then hashed[b] = true end end
 end
 if #reg_h2b > 0 then
@@ -590,11 +716,14 @@ if #reg_h2b > 0 then
 end
 local map = apply(plan.num_blocks, function(b) return hashed[b] == true end, stats)
 reg_h2b, reg_b2h = {}, {}
-for _, r in ipairs(plan.regs) do
-  if r[2] < 0 then
-    local b = map[r[2]]
-    reg_h2b[#reg_h2b + 1] = r[1]; reg_h2b[#reg_h2b + 1] = b
-    reg_b2h[#reg_b2h + 1] = b; reg_b2h[#reg_b2h + 1] = r[1]
+for k = 1, #reg_hs do
+  local b = reg_bs[k]
+  if b < 0 then
+    local h = reg_hs[k]
+    b = map[b]
+    local bs = D[b] or dec(b)
+    reg_h2b[#reg_h2b + 1] = h; reg_h2b[#reg_h2b + 1] = bs
+    reg_b2h[#reg_b2h + 1] = bs; reg_b2h[#reg_b2h + 1] = h
   end
 end
 if #reg_h2b > 0 then
@@ -602,17 +731,18 @@ if #reg_h2b > 0 then
   call_chunked('HSET', K_B2H, reg_b2h, 2)
 end
 
--- Sequence records.
+-- Sequence records. The updates' part of the reply is written as JSON text here (the
+-- same values cjson would give; a hash from ARGV[2] goes through cjson unless it is hex).
 local nkids, nmade = 0, #plan.made
 for _, ks in pairs(plan.kids) do nkids = nkids + #ks end
 local next_n = 0
 if nkids + nmade > 0 then next_n = redis.call('HINCRBY', K_META, 'next_seq', nkids + nmade) - nkids - nmade end
 local put_meta, put_tab, lseq_add = {}, {}, {}
 local function store(n, rec)
-  local tab = rec_tab(rec, map)
+  local tab, added = rec_tab(rec, map)
   put_meta[#put_meta + 1] = n; put_meta[#put_meta + 1] = meta_string(rec)
   put_tab[#put_tab + 1] = n; put_tab[#put_tab + 1] = tab
-  return tab
+  return tab, added
 end
 local function resolved(pair)
   if not pair then return nil end
@@ -622,38 +752,51 @@ local out_updates = {}
 local is_freed = {}
 for _, i in ipairs(plan.freed) do is_freed[i] = true end
 local del, lseq_del = {}, {}
+local lease = p.lease
 for i, u in ipairs(ups) do
   local rec = plan.recs[i]
-  local o = {t = rec.t, c = rec.c, h = rec.h, kids = {}}
-  for _, child in ipairs(plan.kids[i]) do
-    next_n = next_n + 1
-    local tab = store(next_n, child)
-    lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = p.lease .. ':' .. next_n
-    o.kids[#o.kids + 1] = {n = next_n, t = child.t, c = child.c, h = child.h, k = child.k, b = tab,
+  local kids_json = '{}'
+  local ks = plan.kids[i]
+  if ks then
+    local okids = {}
+    for _, child in ipairs(ks) do
+      next_n = next_n + 1
+      local tab = store(next_n, child)
+      lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. next_n
+      okids[#okids + 1] = {n = next_n, t = child.t, c = child.c, h = child.h, k = child.k, b = tab,
                            cow = resolved(child.cow)}
-  end
-  if is_freed[i] then
-    o.freed = true
-    del[#del + 1] = u.s
-    lseq_del[#lseq_del + 1] = p.lease .. ':' .. u.s
-  else
-    if #rec.add > 0 or rec.cowlast then
-      store(u.s, rec)
-    else
-      put_meta[#put_meta + 1] = u.s; put_meta[#put_meta + 1] = meta_string(rec)
     end
-    local nb = {}
-    for j, b in ipairs(rec.add) do nb[j] = hexid(map[b] or b) end
-    o.nb = table.concat(nb)
-    o.cow = resolved(plan.cows[i])
+    if #okids > 0 then kids_json = cjson.encode(okids) end
   end
-  out_updates[i] = o
+  local hj
+  if u.ncm == 0 or string.find(rec.h, '^%x+$') then hj = '"' .. rec.h .. '"' else hj = cjson.encode(rec.h) end
+  if is_freed[i] then
+    del[#del + 1] = u.s
+    lseq_del[#lseq_del + 1] = lease .. ':' .. u.s
+    out_updates[i] = '{"t":' .. rec.t .. ',"c":' .. rec.c .. ',"h":' .. hj .. ',"kids":' .. kids_json ..
+      ',"freed":true}'
+  else
+    local ts, cs = rec.t .. '', rec.c .. ''   -- meta_string's and the reply's, formatted once
+    put_meta[#put_meta + 1] = u.s
+    put_meta[#put_meta + 1] = rec.l .. ' ' .. ts .. ' ' .. cs .. ' ' .. rec.k .. ' ' .. rec.h
+    local added = ''
+    if #rec.add > 0 or rec.cowlast then
+      local tab
+      tab, added = rec_tab(rec, map)
+      put_tab[#put_tab + 1] = u.s; put_tab[#put_tab + 1] = tab
+    end
+    local cow = plan.cows[i]
+    local cow_json = ''
+    if cow then cow_json = ',"cow":[' .. cow[1] .. ',' .. (map[cow[2]] or cow[2]) .. ']' end
+    out_updates[i] = '{"t":' .. ts .. ',"c":' .. cs .. ',"h":' .. hj .. ',"kids":' .. kids_json ..
+      ',"nb":"' .. added .. '"' .. cow_json .. '}'
+  end
 end
 local out_made = {}
 for _, rec in ipairs(plan.made) do
   next_n = next_n + 1
   local tab = store(next_n, rec)
-  lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = p.lease .. ':' .. next_n
+  lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. next_n
   out_made[#out_made + 1] = {n = next_n, t = rec.t, c = rec.c, h = rec.h, k = rec.k, b = tab}
 end
 if #put_meta > 0 then call_chunked('HSET', K_SEQS, put_meta, 2) end
@@ -670,7 +813,10 @@ for _, cp in ipairs(plan.copies) do copies[#copies + 1] = resolved(cp) end
 stats.sequences_created = nkids + nmade
 stats.sequences_freed = #del
 incr_stats(stats)
-return remember(p, cjson.encode({epoch = plan.epoch, updates = out_updates, created = out_made, copies = copies}))
+local updates_json = '{}'
+if #out_updates > 0 then updates_json = '[' .. table.concat(out_updates, ',') .. ']' end
+return remember(p, '{"epoch":' .. plan.epoch .. ',"updates":' .. updates_json .. ',"created":' ..
+  cjson.encode(out_made) .. ',"copies":' .. cjson.encode(copies) .. '}')
 """
 
 # Frees the sequences of expired (or one revoked) leases, a bounded number per call.

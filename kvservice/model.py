@@ -12,7 +12,6 @@ LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 DTYPES = ("float32", "float16", "bfloat16")
-MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +147,3 @@ def parse_sequence_id(sequence_id: str) -> tuple[str, int, int]:
 
 def format_sequence_id(pool_id: str, epoch: int, n: int) -> str:
     return f"{pool_id}/{epoch}/{n}"
-
-
-def check_token_ids(token_ids, what: str) -> None:
-    if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
-        bad = next(t for t in token_ids if t < 0 or t > MAX_TOKEN_ID)
-        raise errors.InvalidArgument(f"{what}: token id {bad} is outside 0..{MAX_TOKEN_ID}")

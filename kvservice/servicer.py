@@ -75,7 +75,8 @@ def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
 
 
 def create_from_pb(c: Any) -> Create:
-    return Create(tuple(c.token_ids), c.pool_id, c.extra_key)
+    # The repeated field goes as it is: it is read once, into bytes, by the allocator.
+    return Create(c.token_ids, c.pool_id, c.extra_key)
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
@@ -113,7 +114,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.RevokeLeaseResponse(num_sequences_freed=await self.a.revoke_lease(request.lease_id))
 
     async def CreateSequence(self, request: pb.CreateSequenceRequest, context: Any) -> pb.Sequence:
-        create = Create(tuple(request.token_ids), request.pool_id, request.extra_key)
+        create = Create(request.token_ids, request.pool_id, request.extra_key)
         out = await self.a.step(request.lease_id, [], [create], request.request_id)
         return seq_to_pb(out.created[0])
 
