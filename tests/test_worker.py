@@ -217,7 +217,8 @@ def test_bad_request_gets_its_status_and_leaves_the_pool_unchanged(worker, stub,
 def test_every_worker_rpc_with_input_has_bad_requests():
     methods = {m.name for m in pb.DESCRIPTOR.services_by_name["Worker"].methods}
     covered = {build()[0] for _, build, _, _ in BAD}
-    assert covered | {"Describe"} == methods, methods - covered
+    # Forward's bad requests are in test_model_runner.py (they need a worker with a model).
+    assert covered | {"Describe", "Forward"} == methods, methods - covered
 
 
 # ------------------------------------------------------------------ sizing

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from helpers import LoopThread
@@ -10,21 +12,38 @@ from worker.server import create_server, set_serving
 
 
 class WorkerThread(LoopThread):
-    """A real grpc.aio worker server on 127.0.0.1:0 with a standalone pool (epoch 1)."""
+    """A real grpc.aio worker server on 127.0.0.1:0 with a standalone pool (epoch 1).
 
-    def __init__(self, shape: PoolShape, pool_id: str = "w0") -> None:
+    With ``model`` (a ``LlamaForCausalLM``), the worker serves it with ``Forward``; the
+    pool's layers, KV heads and head dim must then be the model's (``model_shape``).
+    """
+
+    def __init__(self, shape: PoolShape, pool_id: str = "w0", model: Any = None, model_name: str = "",
+                 model_seed: int = 0) -> None:
         super().__init__()
         self.pool = KVPool(shape, torch.device("cpu"))
         self.pool.epoch = 1
         self.pool_id = pool_id
+        self.runner = None
+        if model is not None:
+            from worker.model import ModelRunner
+            self.runner = ModelRunner(model, self.pool, model_name, model_seed)
 
     async def serve(self) -> None:
-        self.server, self.port, health = await create_server(self.pool, self.pool_id, "127.0.0.1:0")
+        self.server, self.port, health = await create_server(self.pool, self.pool_id, "127.0.0.1:0",
+                                                             runner=self.runner)
         await set_serving(health, True)
         await self.server.start()
 
     async def shutdown(self) -> None:
         await self.server.stop(grace=0.5)
+
+
+def model_shape(model: Any, num_blocks: int, block_size: int) -> PoolShape:
+    """The pool geometry that fits ``model`` (a ``LlamaForCausalLM``)."""
+    cfg = model.config
+    return PoolShape(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                     model.dtype)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

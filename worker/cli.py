@@ -14,7 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m worker",
         description="Serve one pool of paged KV memory (CuPy kernels on a GPU, torch on a CPU): sizes the pool "
-                    "from --kv-memory, registers it with --allocator (retrying until it is up) and heartbeats.")
+                    "from --kv-memory, registers it with --allocator (retrying until it is up) and heartbeats. "
+                    "With --model (a preset: tiny-llama, small-llama; weights drawn from --model-seed) it also "
+                    "runs the model (the Forward RPC), and the pool's layers, KV heads, head dim and dtype are "
+                    "the model's (--num-layers, --num-kv-heads, --head-dim, --dtype are then ignored).")
     WorkerSettings.add_arguments(parser)
     parser.add_argument("--port-file", help="write the bound port and the pool id to this file once serving")
     return parser

@@ -10,6 +10,8 @@ from typing import ClassVar
 from kvservice.config import EnvSettings
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: The presets of worker/model.py (kept here so that checking flags needs no torch).
+MODEL_NAMES = ("tiny-llama", "small-llama")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -33,6 +35,11 @@ class WorkerSettings(EnvSettings):
     #: Exact number of blocks (overrides kv_memory when > 0).
     num_blocks: int = 0
     block_size: int = 16
+    #: A model preset to serve with Forward (tiny-llama, small-llama); empty: K/V only.
+    #: With a model, num_layers, num_kv_heads, head_dim and dtype come from the model.
+    model: str = ""
+    #: The seed the model's weights are drawn with.
+    model_seed: int = 0
     num_layers: int = 2
     num_kv_heads: int = 2
     head_dim: int = 64
@@ -60,6 +67,10 @@ class WorkerSettings(EnvSettings):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if not 1 <= getattr(self, name) <= 4096:
                 raise ValueError(f"{name} must be in 1..4096, got {getattr(self, name)}")
+        if self.model and self.model not in MODEL_NAMES:
+            raise ValueError(f"model must be one of {', '.join(MODEL_NAMES)} (or empty), got {self.model!r}")
+        if not 0 <= self.model_seed < 2**63:
+            raise ValueError(f"model_seed must be in 0..2**63-1, got {self.model_seed}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

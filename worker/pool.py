@@ -161,22 +161,28 @@ class KVPool:
 
     def copy(self, pairs: list[tuple[int, int]]) -> int:
         """Copies block ``src`` onto ``dst`` in every layer, for each pair; returns the count."""
+        self.check_copies(pairs)
+        if pairs:
+            mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+            self.backend.copy_blocks(self.k_caches, self.v_caches, mapping)
+        return len(pairs)
+
+    def check_copies(self, pairs: list[tuple[int, int]], field: str = "pairs") -> None:
+        """Raises InvalidArgument (naming ``field[i]``), changing nothing, unless every
+        ``(src, dst)`` pair is in range, no destination is used twice and no destination
+        is also a source."""
         s = self.shape
         sources = {src for src, _ in pairs}
         targets: set[int] = set()
         for i, (src, dst) in enumerate(pairs):
             for name, b in (("src", src), ("dst", dst)):
                 if not 0 <= b < s.num_blocks:
-                    raise errors.InvalidArgument(f"pairs[{i}].{name} = {b} is out of range 0..{s.num_blocks - 1}")
+                    raise errors.InvalidArgument(f"{field}[{i}].{name} = {b} is out of range 0..{s.num_blocks - 1}")
             if dst in targets:
-                raise errors.InvalidArgument(f"pairs[{i}].dst = {dst} is the destination of two copies")
+                raise errors.InvalidArgument(f"{field}[{i}].dst = {dst} is the destination of two copies")
             if dst in sources:
-                raise errors.InvalidArgument(f"pairs[{i}].dst = {dst} is also a source in this call")
+                raise errors.InvalidArgument(f"{field}[{i}].dst = {dst} is also a source in this call")
             targets.add(dst)
-        if pairs:
-            mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-            self.backend.copy_blocks(self.k_caches, self.v_caches, mapping)
-        return len(pairs)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.shape.num_layers:

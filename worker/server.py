@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -28,6 +29,9 @@ from worker import tensors
 from worker.config import WorkerSettings, parse_memory
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
+
+if TYPE_CHECKING:
+    from worker.model import ModelRunner
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -62,11 +66,33 @@ def free_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def build_pool(settings: WorkerSettings) -> KVPool:
-    """The pool the settings describe, sized from the memory budget (or ``num_blocks``)."""
+def model_geometry(settings: WorkerSettings, model: Any) -> tuple[int, int, int, torch.dtype]:
+    """``(num_layers, num_kv_heads, head_dim, dtype)`` of a model; logs the settings it overrides."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    geometry = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, model.dtype)
+    asked = (settings.num_layers, settings.num_kv_heads, settings.head_dim)
+    for name, value, used in zip(("num-layers", "num-kv-heads", "head-dim"), asked, geometry):
+        if value != used:
+            log.info("--%s %d ignored: the model %s has %d", name, value, settings.model, used)
+    if settings.dtype not in ("auto", tensors.NAMES[model.dtype]):
+        log.info("--dtype %s ignored: the model %s is %s", settings.dtype, settings.model, tensors.NAMES[model.dtype])
+    return geometry
+
+
+def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
+    """The pool the settings describe, sized from the memory budget (or ``num_blocks``).
+
+    With ``model`` (a ``LlamaForCausalLM``), layers, KV heads, head dim and dtype are the
+    model's; block size and budget still come from the settings.
+    """
     device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
-    shape = PoolShape(1, settings.block_size, settings.num_layers, settings.num_kv_heads, settings.head_dim, dtype)
+    if model is not None:
+        layers, kv_heads, head_dim, dtype = model_geometry(settings, model)
+    else:
+        layers, kv_heads, head_dim = settings.num_layers, settings.num_kv_heads, settings.head_dim
+        dtype = resolve_dtype(settings.dtype, device)
+    shape = PoolShape(1, settings.block_size, layers, kv_heads, head_dim, dtype)
     num_blocks = settings.num_blocks
     if not num_blocks:
         size, fraction = parse_memory(settings.kv_memory)
@@ -82,9 +108,11 @@ def build_pool(settings: WorkerSettings) -> KVPool:
     return pool
 
 
-async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = ""
+async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = "",
+                        runner: ModelRunner | None = None
                         ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """A not-yet-started server with the Worker, health and reflection services.
+    """A not-yet-started server with the Worker, health and reflection services
+    (``runner``: the model ``Forward`` serves; None: K/V only).
 
     Returns the server, the bound port and the health servicer (NOT_SERVING until the
     caller marks the pool registered).
@@ -93,7 +121,7 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE),
                                       ("grpc.max_send_message_length", MAX_MESSAGE),
                                       ("grpc.so_reuseport", 0)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(pool, pool_id, allocator), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(pool, pool_id, allocator, runner), server)
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -171,9 +199,19 @@ class Registrar:
 
 async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
     """Serves until SIGINT / SIGTERM (exit 0), or until the pool is taken over (exit 3)."""
-    pool = build_pool(settings)
+    runner = None
+    if settings.model:
+        from worker.model import ModelRunner, build_model
+
+        model = build_model(settings.model, settings.model_seed)
+        pool = build_pool(settings, model)
+        runner = ModelRunner(model.to(pool.device), pool, settings.model, settings.model_seed)
+        log.info("model %s (seed %d): %d parameters on %s", settings.model, settings.model_seed,
+                 sum(p.numel() for p in model.parameters()), pool.device)
+    else:
+        pool = build_pool(settings)
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
-                                                        settings.allocator)
+                                                        settings.allocator, runner)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,20 +1,33 @@
-"""The Worker gRPC servicer: translates proto <-> pool and checks the epoch."""
+"""The Worker gRPC servicer: translates proto <-> pool (and model) and checks the epoch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvservice import errors
 from kvservice.v1 import allocator_pb2, worker_pb2 as pb, worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.pool import KVPool
 
+if TYPE_CHECKING:
+    from worker.model import ModelRunner
+
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, pool: KVPool, pool_id: str, allocator: str = "") -> None:
+    """The ``kvservice.v1.Worker`` service over one pool.
+
+    Args:
+        pool: the KV pool.
+        pool_id: its id.
+        allocator: the allocator it registered with ("" when standalone).
+        runner: the model served by ``Forward`` (None: K/V only).
+    """
+
+    def __init__(self, pool: KVPool, pool_id: str, allocator: str = "", runner: ModelRunner | None = None) -> None:
         self.pool = pool
         self.pool_id = pool_id
         self.allocator = allocator
+        self.runner = runner
 
     def _check_epoch(self, epoch: int) -> None:
         current = self.pool.epoch
@@ -33,10 +46,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         geometry = allocator_pb2.PoolGeometry(num_blocks=s.num_blocks, block_size=s.block_size,
                                               num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
                                               head_dim=s.head_dim, dtype=tensors.NAMES[s.dtype])
-        return pb.WorkerInfo(pool_id=self.pool_id, epoch=max(self.pool.epoch, 0), geometry=geometry,
+        info = pb.WorkerInfo(pool_id=self.pool_id, epoch=max(self.pool.epoch, 0), geometry=geometry,
                              device=str(self.pool.device), backend=self.pool.backend.name,
                              bytes_per_block=s.bytes_per_block, pool_bytes=self.pool.pool_bytes,
                              allocator=self.allocator)
+        if self.runner is not None:
+            r, cfg = self.runner, self.runner.model.config
+            info.model.CopyFrom(pb.ModelInfo(
+                name=r.name, seed=r.seed, vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=r.head_dim,
+                hidden_size=cfg.hidden_size, dtype=tensors.NAMES[r.model.dtype]))
+        return info
 
     async def WriteKV(self, request: pb.WriteKVRequest, context: Any) -> pb.WriteKVResponse:
         self._check_epoch(request.epoch)
@@ -59,3 +79,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def CopyBlocks(self, request: pb.CopyBlocksRequest, context: Any) -> pb.CopyBlocksResponse:
         self._check_epoch(request.epoch)
         return pb.CopyBlocksResponse(num_copied=self.pool.copy([(p.src, p.dst) for p in request.pairs]))
+
+    async def Forward(self, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
+        self._check_epoch(request.epoch)
+        if self.runner is None:
+            raise errors.FailedPrecondition("this worker serves no model (start it with --model)")
+        from worker.model import StepSequence
+
+        sequences = [StepSequence(list(q.token_ids), q.start_position, list(q.block_table), list(q.slot_mapping),
+                                  q.sampling.temperature, q.sampling.seed) for q in request.sequences]
+        result = self.runner.step([(p.src, p.dst) for p in request.copies], sequences)
+        reply = pb.ForwardResponse(next_tokens=result.next_tokens)
+        if request.return_logits:
+            reply.logits.CopyFrom(tensors.encode(result.logits))
+        return reply

@@ -1,0 +1,274 @@
+"""A real decoder on the worker: Llama presets and one paged step for a batch.
+
+``build_model`` draws a preset's weights from a seed (nothing is downloaded), so the
+same ``(name, seed)`` gives bit-identical weights in any process. ``ModelRunner`` runs
+one step for a batch of sequences, prefill and decode mixed, with the model's own
+modules and weights but with attention over the pool's paged K/V: for every layer the
+new tokens' K (after RoPE) and V are written into their slots, then each new token
+attends causally over its sequence's block table.
+
+Sampling: temperature 0 is greedy (argmax, the lowest id on a tie). Otherwise the token
+at position ``p`` (the context length of the step, i.e. the position it will occupy) is
+drawn by ``torch.multinomial`` from ``softmax(logits / temperature)`` computed in
+float64, with a CPU ``torch.Generator`` seeded by
+``(seed * 1_000_003 + p) % 2**63``. A sequence's tokens therefore depend only on its
+own context, seed and temperature, never on what it is batched with: a forked child
+with seed ``s`` generates exactly what an independent sequence with seed ``s`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvservice import errors
+from worker.pool import KVPool
+
+_COMMON = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "initializer_range": 0.1}
+
+#: Model presets by name. ``initializer_range`` 0.1 makes greedy generations of the
+#: random weights varied instead of one token repeated.
+MODEL_PRESETS: dict[str, LlamaConfig] = {
+    "tiny-llama": LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, **_COMMON),
+    "small-llama": LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, **_COMMON),
+}
+MODEL_DTYPE = torch.float32
+SEED_MULTIPLIER = 1_000_003
+
+
+def build_model(name: str, seed: int = 0) -> LlamaForCausalLM:
+    """A preset with weights drawn from ``seed`` (float32, CPU, eval mode).
+
+    Args:
+        name: a key of ``MODEL_PRESETS``.
+        seed: the seed of ``torch.manual_seed`` before the weights are drawn.
+
+    Raises:
+        ValueError: for an unknown preset.
+    """
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {name!r} (presets: {', '.join(MODEL_PRESETS)})")
+    config = LlamaConfig.from_dict(MODEL_PRESETS[name].to_dict())
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(MODEL_DTYPE)
+    return model.eval()
+
+
+def sampling_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at ``position`` of a sequence sampled with ``seed``."""
+    return (seed * SEED_MULTIPLIER + position) % 2**63
+
+
+@dataclass(slots=True)
+class StepSequence:
+    """One sequence's part of a step.
+
+    Attributes:
+        token_ids: the new tokens (prefill: the uncached part of the prompt; decode: one).
+        start_position: position of ``token_ids[0]``; the context after the step is
+            ``start_position + len(token_ids)`` tokens.
+        block_table: the sequence's physical block ids, logical order.
+        slot_mapping: one slot per new token, ``block_id * block_size + offset`` of its
+            position in ``block_table``.
+        temperature: 0 for greedy, else the softmax temperature.
+        seed: the sampling seed (see the module docstring).
+    """
+
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    slot_mapping: list[int]
+    temperature: float = 0.0
+    seed: int = 0
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """``next_tokens``: one per sequence; ``logits``: float32 ``[num_seqs, vocab]`` of
+    each sequence's last new token."""
+
+    next_tokens: list[int]
+    logits: torch.Tensor = field(repr=False)
+
+
+class ModelRunner:
+    """Runs a Llama model over a worker's paged KV pool.
+
+    Args:
+        model: a ``LlamaForCausalLM`` on the pool's device, in the pool's dtype.
+        pool: the KV pool; its geometry must be the model's (layers, KV heads, head
+            dim, dtype).
+        name: the preset name reported by ``Describe``.
+        seed: the seed the weights were drawn with.
+
+    Raises:
+        ValueError: when the pool's geometry or device does not fit the model.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, name: str = "", seed: int = 0) -> None:
+        cfg = model.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        s = pool.shape
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, self.head_dim, model.dtype)
+        have = (s.num_layers, s.num_kv_heads, s.head_dim, s.dtype)
+        if want != have:
+            raise ValueError(f"pool geometry (layers, kv_heads, head_dim, dtype) = {have} does not fit the "
+                             f"model's {want}")
+        device = next(model.parameters()).device
+        if device != pool.device:
+            raise ValueError(f"the model is on {device}, the pool on {pool.device}")
+        self.model = model.eval()
+        self.pool = pool
+        self.name = name
+        self.seed = seed
+        self.vocab_size = cfg.vocab_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scale = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+
+    # ------------------------------------------------------------ checks
+
+    def check(self, copies: list[tuple[int, int]], sequences: list[StepSequence]) -> None:
+        """Raises InvalidArgument naming the offending value unless the whole step is valid;
+        nothing is changed either way."""
+        s = self.pool.shape
+        self.pool.check_copies(copies, "copies")
+        if not sequences:
+            raise errors.InvalidArgument("forward needs at least one sequence (sequences is empty)")
+        written: dict[int, tuple[int, int]] = {}
+        for i, seq in enumerate(sequences):
+            n = len(seq.token_ids)
+            if n == 0:
+                raise errors.InvalidArgument(f"sequences[{i}] has no token_ids: each sequence needs a new token")
+            if len(seq.slot_mapping) != n:
+                raise errors.InvalidArgument(f"sequences[{i}]: {len(seq.slot_mapping)} slots in slot_mapping for "
+                                             f"{n} token_ids (one slot per new token)")
+            if seq.start_position < 0:
+                raise errors.InvalidArgument(f"sequences[{i}].start_position = {seq.start_position} is negative")
+            ctx, table = seq.context_len, seq.block_table
+            if ctx > len(table) * s.block_size:
+                raise errors.InvalidArgument(f"sequences[{i}]: context of {ctx} tokens is beyond its block table of "
+                                             f"{len(table)} blocks ({len(table) * s.block_size} slots)")
+            for j in range(math.ceil(ctx / s.block_size)):
+                if not 0 <= table[j] < s.num_blocks:
+                    raise errors.InvalidArgument(f"sequences[{i}].block_table[{j}] = {table[j]} is out of range "
+                                                 f"0..{s.num_blocks - 1}")
+            for j, tok in enumerate(seq.token_ids):
+                if not 0 <= tok < self.vocab_size:
+                    raise errors.InvalidArgument(f"sequences[{i}].token_ids[{j}] = {tok} is out of range "
+                                                 f"0..{self.vocab_size - 1}")
+            for j, slot in enumerate(seq.slot_mapping):
+                if not 0 <= slot < s.num_slots:
+                    raise errors.InvalidArgument(f"sequences[{i}].slot_mapping[{j}] = {slot} is out of range "
+                                                 f"0..{s.num_slots - 1}")
+                pos = seq.start_position + j
+                expected = table[pos // s.block_size] * s.block_size + pos % s.block_size
+                if slot != expected:
+                    raise errors.InvalidArgument(f"sequences[{i}].slot_mapping[{j}] = {slot}, but position {pos} "
+                                                 f"is slot {expected} of its block table")
+                if slot in written:
+                    a, b = written[slot]
+                    raise errors.InvalidArgument(f"sequences[{i}].slot_mapping[{j}] = {slot} is also "
+                                                 f"sequences[{a}].slot_mapping[{b}]: a slot is written once a step")
+                written[slot] = (i, j)
+            t = seq.temperature
+            if not (math.isfinite(t) and t >= 0):
+                raise errors.InvalidArgument(f"sequences[{i}].sampling.temperature must be finite and >= 0 "
+                                             f"(0: greedy), got {t}")
+
+    # ------------------------------------------------------------ the step
+
+    def step(self, copies: list[tuple[int, int]], sequences: list[StepSequence]) -> StepResult:
+        """Checks the step, applies ``copies`` (copy-on-write, all layers), runs the model
+        over the new tokens and samples each sequence's next token."""
+        self.check(copies, sequences)
+        self.pool.copy(copies)
+        logits = self.forward(sequences)
+        return StepResult(self.sample(logits, sequences), logits)
+
+    def forward(self, sequences: list[StepSequence]) -> torch.Tensor:
+        """The model over the sequences' new tokens, writing their K/V into the pool.
+
+        Args:
+            sequences: checked steps (``check``); their earlier tokens' K/V are in the pool.
+
+        Returns:
+            float32 ``[num_seqs, vocab]``: the logits of each sequence's last new token.
+        """
+        pool, dev, bs = self.pool, self.pool.device, self.pool.shape.block_size
+        lens = [len(q.token_ids) for q in sequences]
+        tokens = torch.tensor([t for q in sequences for t in q.token_ids], dtype=torch.long, device=dev)
+        positions = torch.tensor([q.start_position + j for q in sequences for j in range(len(q.token_ids))],
+                                 dtype=torch.long, device=dev)
+        slots = torch.tensor([x for q in sequences for x in q.slot_mapping], dtype=torch.int64, device=dev)
+        width = max(math.ceil(q.context_len / bs) for q in sequences)
+        tables = torch.zeros((len(sequences), width), dtype=torch.int32)
+        for i, q in enumerate(sequences):
+            used = math.ceil(q.context_len / bs)
+            tables[i, :used] = torch.tensor(q.block_table[:used], dtype=torch.int32)
+        tables = tables.to(dev)
+        context_lens = torch.tensor([q.context_len for q in sequences], dtype=torch.int32, device=dev)
+        starts = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+        last = (starts[1:] - 1).to(dev)
+        starts = starts.to(torch.int32).to(dev)
+        num_tokens = tokens.shape[0]
+
+        with torch.inference_mode():
+            inner = self.model.model
+            x = inner.embed_tokens(tokens)                                   # [T, hidden]
+            cos, sin = inner.rotary_emb(x, positions[None])                  # [1, T, head_dim] each
+            cos, sin = cos[0], sin[0]
+            for layer_idx, layer in enumerate(inner.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = attn.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)
+                k = attn.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+                v = attn.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+                q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # [T, heads, head_dim]
+                pool.backend.reshape_and_cache(k.contiguous(), v.contiguous(), pool.k_caches[layer_idx],
+                                               pool.v_caches[layer_idx], slots)
+                out = pool.backend.paged_attention(q.contiguous(), pool.k_caches[layer_idx],
+                                                   pool.v_caches[layer_idx], tables, context_lens, starts,
+                                                   self.scale)              # [T, heads, head_dim]
+                x = x + attn.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = inner.norm(x[last])                                          # [num_seqs, hidden]
+            return self.model.lm_head(h).float()
+
+    @staticmethod
+    def sample(logits: torch.Tensor, sequences: list[StepSequence]) -> list[int]:
+        """Each sequence's next token from its logits row.
+
+        Args:
+            logits: float32 ``[num_seqs, vocab]``.
+            sequences: the step's sequences (temperature, seed, context length).
+
+        Returns:
+            One token id per sequence: argmax at temperature 0, else a draw seeded by
+            ``sampling_seed(seed, context_len)``.
+        """
+        rows = logits.detach().to("cpu", torch.float64)
+        out = []
+        for row, q in zip(rows, sequences):
+            if q.temperature == 0:
+                out.append(int(torch.argmax(row)))
+                continue
+            probs = torch.softmax(row / q.temperature, dim=-1)
+            if not torch.isfinite(probs).all():      # a temperature so small that it overflows
+                out.append(int(torch.argmax(row)))
+                continue
+            gen = torch.Generator(device="cpu").manual_seed(sampling_seed(q.seed, q.context_len))
+            out.append(int(torch.multinomial(probs, 1, generator=gen)))
+        return out
