@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvservice/v1/*.proto)
 GEN := kvservice/v1/__init__.py
 
-.PHONY: install proto test demo bench audit clean
+.PHONY: install proto test demo up bench audit clean
 
 install: $(STAMP) $(GEN)
 
@@ -29,6 +29,10 @@ test: install
 
 demo: install
 	$(VENV)/bin/kvservice demo
+
+# A local deployment (Redis, an allocator, two model workers) until Ctrl-C.
+up: install
+	$(VENV)/bin/kvservice up
 
 bench: install
 	$(VENV)/bin/kvservice bench

@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, audit, bench, demo."""
+"""``kvservice`` command line: serve, up, audit, bench, demo."""
 
 from __future__ import annotations
 
@@ -78,6 +78,39 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvservice.launcher import Stack
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(args.workers, model=args.model, model_seed=args.model_seed, block_size=args.block_size,
+                  kv_memory=args.kv_memory, num_blocks=args.num_blocks)
+    print(f"starting Redis, an allocator and {args.workers} worker(s) ...", flush=True)
+    try:
+        stack.start()
+        for line in stack.describe():
+            print(f"  {line}", flush=True)
+        print(f"ready: point clients and engines at {stack.target}; Ctrl-C or SIGTERM stops everything",
+              flush=True)
+        while not stop.wait(0.5):
+            dead = [w.pool_id for w in stack.workers if w.proc.poll() is not None]
+            if stack.allocator.proc.poll() is not None or dead:
+                print(f"kvservice up: a process exited ({', '.join(dead) or 'allocator'}); stopping",
+                      file=sys.stderr)
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        print(f"kvservice up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        print("stopped.", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvservice", description=(
         "A distributed manager for the paged KV cache of LLM inference: a block allocator "
@@ -105,8 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("demo", help="start Redis and an allocator, then create, fork, grow and free sequences")
-    p.add_argument("--redis-url", default="", help="use this Redis (default: an embedded one)")
+    p = sub.add_parser("up", help="start an embedded Redis, an allocator and N model workers; run until Ctrl-C")
+    p.add_argument("--workers", type=int, default=2, help="workers (pools) to start (default 2)")
+    p.add_argument("--model", default="tiny-llama", help="model preset every worker serves (default tiny-llama)")
+    p.add_argument("--model-seed", type=int, default=0, help="seed of the model's weights (default 0)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
+    p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per worker (overrides --kv-memory)")
+    p.set_defaults(func=_up)
+
+    from kvservice.demo import add_arguments as demo_arguments
+
+    p = sub.add_parser("demo", help="start a local stack and run a batch of requests through the engine "
+                                    "(shared prompts, parallel sampling); print a report")
+    demo_arguments(p)
     p.set_defaults(func=_demo)
     return parser
 

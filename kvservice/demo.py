@@ -1,83 +1,118 @@
-"""``kvservice demo``: an embedded Redis, an allocator process, and a client that creates,
-forks, grows and frees sequences, printing block tables and the pool's stats."""
+"""``kvservice demo``: a local stack (Redis, an allocator, model workers) and a batch of
+requests run by the continuous-batching engine, ending with a report.
+
+The workload is built to show what paging buys: requests share a few system prompts (the
+prefix cache serves them), some ask for four samples each (fork and copy-on-write share
+the prompt), and all run together on a small model (``tiny-llama``, random weights drawn
+from a seed) on the CPU. Progress goes to stderr, the report to stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import sys
+import time
 
-from kvservice.client import Client, Sequence
-from kvservice.launcher import AllocatorProcess
+from kvservice.engine import Engine, Progress, Report, Request
+from kvservice.launcher import Stack
 
-POOL = "demo-0"
-BLOCK_SIZE = 16
+VOCAB = 512   # tiny-llama's vocabulary
 
-
-def _show(label: str, seq: Sequence) -> None:
-    print(f"  {label:<28} {seq.id:<12} tokens={seq.num_tokens:<4} cached={seq.num_cached_tokens:<4} "
-          f"blocks={seq.block_table}")
-
-
-def _stats(client: Client) -> None:
-    s = client.pool_stats(POOL)
-    print(f"  pool {POOL}: {s.num_blocks} blocks = {s.num_free_blocks} free + "
-          f"{s.num_evictable_blocks} evictable + {s.num_used_blocks} used "
-          f"(usage {s.usage:.1%}); prefix hits {s.prefix_hit_tokens}/{s.prefix_queried_tokens} tokens; "
-          f"CoW copies {s.cow_copies}; evictions {s.evictions}")
+#: The report's figures, in order, with their labels and formats.
+FIGURES = (
+    ("requests", "requests completed", "{}"),
+    ("tokens", "tokens generated", "{}"),
+    ("peak_blocks", "KV blocks used at peak", "{}"),
+    ("kv_utilization", "KV utilization at peak (slots holding tokens / slots of used blocks)", "{:.1%}"),
+    ("prefix_hit_tokens", "prefix-cache hit tokens (not recomputed)", "{}"),
+    ("cow_copies", "copy-on-write block copies", "{}"),
+    ("sharing_saving", "memory saved by sharing vs an unshared run", "{:.1%}"),
+)
 
 
-def run(target: str) -> None:
-    rng = random.Random(7)
-    system = [rng.randrange(32000) for _ in range(40)]   # a shared system prompt: 2.5 blocks
-    with Client(target, tenant="demo", lease_ttl=5.0) as client:
-        pool = client.register_pool(POOL, num_blocks=64, block_size=BLOCK_SIZE, num_layers=4,
-                                    num_kv_heads=2, head_dim=64)
-        print(f"registered pool {pool.pool_id} (epoch {pool.epoch}): {pool.geometry.num_blocks} blocks "
-              f"of {pool.geometry.block_size} tokens")
-        _stats(client)
+def workload(seed: int = 7, *, num_requests: int = 16, max_new_tokens: int = 24) -> list[Request]:
+    """Requests over three shared system prompts; every fourth asks for four samples.
 
-        print("\n1. create two requests that share a 40-token system prompt")
-        a = client.create(system + [101, 102, 103], pool=POOL)
-        _show("request A (cold)", a)
-        b = client.create(system + [201, 202], pool=POOL)
-        _show("request B (2 blocks cached)", b)
-        _stats(client)
+    Args:
+        seed: the seed of the token draws and of the sampling.
+        num_requests: how many requests.
+        max_new_tokens: tokens to generate per sample.
 
-        print("\n2. decode 30 tokens into A: one allocator call per crossed block boundary")
-        calls = client.rpc_count
-        for t in range(30):
-            a.append([1000 + t])
-        _show("request A", a)
-        print(f"  allocator calls for 30 appends: {client.rpc_count - calls}")
+    Returns:
+        The requests, greedy for n = 1 and at temperature 0.8 for n = 4.
+    """
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(length)] for length in (48, 40, 70)]
+    requests = []
+    for i in range(num_requests):
+        user = [rng.randrange(VOCAB) for _ in range(rng.randrange(4, 40))]
+        n = 4 if i % 4 == 3 else 1
+        requests.append(Request(prompt=systems[i % 3] + user, max_new_tokens=max_new_tokens, n=n,
+                                temperature=0.8 if n > 1 else 0.0, seed=seed * 100 + i, request_id=f"r{i}"))
+    return requests
 
-        print("\n3. parallel sampling in one step: three forks of A, and every branch appends a token")
-        res = client.step({a: [7000]}, forks={a: [[7001], [7002], [7003]]})
-        kids = res.children[a.id]
-        for i, k in enumerate(kids):
-            _show(f"child {i + 1}", k)
-        _show("request A (parent)", a)
-        print(f"  copy-on-write pairs of the shared partial last block: {[(c.src, c.dst) for c in res.copies]}"
-              f" (the last writer keeps the original)")
-        _stats(client)
 
-        print("\n4. free everything: full blocks stay cached (evictable) for later prompts")
-        client.step(frees=[a, b, *kids])
-        _stats(client)
+def _progress(p: Progress) -> None:
+    sys.stderr.write(f"\rstep {p.step:>4}: {p.running:>2} running, {p.waiting:>2} waiting, "
+                     f"{p.finished:>2}/{p.total} done, {p.tokens:>4} tokens, {p.blocks:>3} blocks in use")
+    sys.stderr.flush()
 
-        print("\n5. the same prompt again hits the cache")
-        c = client.create(system + [101, 102, 103], pool=POOL)
-        _show("request A again", c)
-        c.free()
-        _stats(client)
 
-        audit = client.audit(POOL)
-        print(f"\naudit: {'ok' if audit.ok else 'FAILED'} {list(audit.problems)}")
+def format_report(report: Report) -> str:
+    """The report as aligned text lines."""
+    values = report.to_dict()
+    lines = [f"  {label:<70} {fmt.format(values[key])}" for key, label, fmt in FIGURES]
+    lines.append(f"  {'(unshared peak would be ' + str(report.peak_unshared_blocks) + ' blocks; '}"
+                 f"{report.steps} engine steps, {report.preemptions} preemptions, "
+                 f"{report.prefill_tokens} prompt tokens computed, {report.seconds:.1f} s)")
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    print("starting an embedded Redis and an allocator ...")
-    with AllocatorProcess(args.redis_url or None) as proc:
-        print(f"allocator at {proc.target}, Redis at {proc.url}\n")
-        run(proc.target)
-    print("\nstopped the allocator and its Redis.")
-    return 0
+    """Starts the stack, runs the workload, prints the report; returns the exit code."""
+    started = time.monotonic()
+    log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
+    log(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model} ...")
+    with Stack(args.workers, model=args.model, block_size=args.block_size, kv_memory=args.kv_memory,
+               num_blocks=args.num_blocks) as stack:
+        for line in stack.describe():
+            log(f"  {line}")
+        requests = workload(args.seed, num_requests=args.requests, max_new_tokens=args.max_new_tokens)
+        log(f"running {len(requests)} requests ({sum(r.n for r in requests)} samples) over "
+            f"{len({tuple(r.prompt[:40]) for r in requests})} shared system prompts ...")
+        with Engine(stack.target, tenant="demo", progress=None if args.quiet else _progress) as engine:
+            report = engine.run(requests)
+            audit = engine.client.audit()
+        if not args.quiet:
+            sys.stderr.write("\n")
+        in_use = sum(p.num_used_blocks for p in audit.pools)
+        log(f"audit: {'ok' if audit.ok else 'FAILED'}; blocks in use after the run: {in_use}")
+        for problem in audit.problems:
+            log(f"  {problem}")
+    log(f"stopped the stack ({time.monotonic() - started:.1f} s in all)")
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(f"report ({args.workers} worker(s), block size {args.block_size}):")
+        print(format_report(report))
+        for c in report.completions[:3]:
+            print(f"  {c.request_id}: {len(c.outputs)} sample(s), first tokens {c.outputs[0][:8]} "
+                  f"(cached prompt tokens {c.num_cached_tokens})")
+    return 0 if not report.failed and audit.ok and not in_use else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``demo`` subcommand's flags."""
+    parser.add_argument("--workers", type=int, default=2, help="workers (pools) to start (default 2)")
+    parser.add_argument("--model", default="tiny-llama", help="model preset the workers serve (default tiny-llama)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
+    parser.add_argument("--num-blocks", type=int, default=0,
+                        help="KV blocks per worker (overrides --kv-memory; e.g. 20 shows preemption)")
+    parser.add_argument("--requests", type=int, default=16, help="requests in the workload (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per sample (default 24)")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the workload and its sampling (default 7)")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress or start-up lines on stderr")

@@ -1,8 +1,10 @@
-"""Starts services as separate processes (for the demo, the benchmark and tests).
+"""Starts services as separate processes (for ``kvservice up``, the demo, the benchmark and tests).
 
 ``AllocatorProcess`` runs ``python -m kvservice serve``; ``WorkerProcess`` runs
 ``python -m worker`` (by module name: nothing here imports the worker, torch or CuPy).
-Each binds port 0 (or a given port), reports its port through a file, and is stopped with SIGTERM.
+Each binds port 0 (or a given port), reports its port through a file, and is stopped with
+SIGTERM. ``Stack`` starts a whole local deployment: an embedded Redis, an allocator and
+N workers serving a model.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kvservice.embedded import EmbeddedRedis
 
 
 class ServiceProcess:
@@ -136,3 +140,88 @@ class WorkerProcess(ServiceProcess):
     def pool_id(self) -> str:
         """The pool the worker serves (its port file's second line)."""
         return self.extra
+
+
+class Stack:
+    """An embedded Redis, an allocator and ``workers`` model workers, each its own process.
+
+    Workers are named ``worker-0`` … ``worker-<N-1>`` and register with the allocator;
+    ``stop()`` (or leaving the ``with`` block) stops them all, workers first.
+
+    Args:
+        workers: number of workers (pools).
+        model: the model preset every worker serves (``python -m worker --model``).
+        model_seed: the seed of the model's weights.
+        block_size: tokens per KV block.
+        kv_memory: each worker's KV budget (``2GiB``, ``64MiB``, ...).
+        num_blocks: blocks per worker (overrides ``kv_memory`` when > 0).
+        worker_args: more ``python -m worker`` flags.
+        allocator_args: more ``kvservice serve`` flags.
+    """
+
+    def __init__(self, workers: int = 2, *, model: str = "tiny-llama", model_seed: int = 0,
+                 block_size: int = 16, kv_memory: str = "64MiB", num_blocks: int = 0,
+                 worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = ()) -> None:
+        if workers < 1:
+            raise ValueError(f"a stack needs at least one worker, got {workers}")
+        self.num_workers, self.model, self.model_seed = workers, model, model_seed
+        self.block_size, self.kv_memory, self.num_blocks = block_size, kv_memory, num_blocks
+        self.worker_args, self.allocator_args = worker_args, allocator_args
+        self.redis: EmbeddedRedis | None = None
+        self.allocator: AllocatorProcess | None = None
+        self.workers: list[WorkerProcess] = []
+
+    @property
+    def target(self) -> str:
+        """``host:port`` of the allocator."""
+        assert self.allocator is not None, "start() first"
+        return self.allocator.target
+
+    def start(self, timeout: float = 120.0) -> "Stack":
+        """Starts Redis, then the allocator, then every worker (in parallel); waits until all serve."""
+        try:
+            self.redis = EmbeddedRedis(port=0).start()
+            self.allocator = AllocatorProcess(self.redis.url, args=self.allocator_args).start(timeout)
+            for i in range(self.num_workers):
+                args = ["--allocator", self.allocator.target, "--pool-id", f"worker-{i}",
+                        "--block-size", str(self.block_size), "--kv-memory", self.kv_memory,
+                        "--heartbeat-interval", "1"]
+                if self.model:
+                    args += ["--model", self.model, "--model-seed", str(self.model_seed)]
+                if self.num_blocks:
+                    args += ["--num-blocks", str(self.num_blocks)]
+                self.workers.append(WorkerProcess(*args, *self.worker_args).start(wait=False))
+            for w in self.workers:
+                w.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def describe(self) -> list[str]:
+        """One line per process: what it is and where it listens."""
+        lines = [f"redis      {self.redis.tcp_url} (and {self.redis.url})" if self.redis else "redis      -"]
+        if self.allocator:
+            lines.append(f"allocator  {self.allocator.target} (pid {self.allocator.proc.pid})")
+        for w in self.workers:
+            model = f", model {self.model} seed {self.model_seed}" if self.model else ""
+            lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model})")
+        return lines
+
+    def stop(self) -> None:
+        """Stops the workers, the allocator and Redis (each only if it was started)."""
+        for w in self.workers:
+            w.stop()
+        self.workers = []
+        if self.allocator is not None:
+            self.allocator.stop()
+            self.allocator = None
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

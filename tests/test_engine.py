@@ -1,0 +1,163 @@
+"""End to end: the engine over real processes (an embedded Redis, an allocator, two model
+workers), checked against the same model run by Hugging Face in this process.
+
+After every test the allocator's audit is clean and every block is free again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvservice.client import Client
+from kvservice.engine import Engine, Request
+from kvservice.launcher import Stack
+from worker.model import build_model
+
+MODEL, SEED, BS = "tiny-llama", 0, 16
+#: float32 logits of the paged step against Hugging Face's own forward pass.
+LOGITS_ATOL = 1e-3
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """Two workers with 128 blocks each."""
+    with Stack(2, model=MODEL, model_seed=SEED, block_size=BS, num_blocks=128) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def small_stack():
+    """One worker with 10 blocks (160 tokens): too small for the workload at once."""
+    with Stack(1, model=MODEL, model_seed=SEED, block_size=BS, num_blocks=10) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build_model(MODEL, SEED)
+    m.generation_config.eos_token_id = None   # generate exactly max_new_tokens
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def _check_clean(target: str) -> None:
+    with Client(target, tenant="audit", keepalive=False) as c:
+        audit = c.audit()
+        assert audit.ok, list(audit.problems)
+        used = {p.pool_id: c.pool_stats(p.pool_id).num_used_blocks for p in c.pools()}
+        assert all(u == 0 for u in used.values()), used
+
+
+@pytest.fixture(autouse=True)
+def clean_after(request):
+    yield
+    for name in ("stack", "small_stack"):
+        if name in request.fixturenames:
+            _check_clean(request.getfixturevalue(name).target)
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(512) for _ in range(length)]
+
+
+def _hf_greedy(model, prompt: list[int], k: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=k)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_generation_matches_hf_generate_token_for_token_and_logits(stack, model):
+    rng = random.Random(1)
+    lengths = [1, 5, 16, 17, 33, 47, 64, 90]          # up to six blocks
+    k = 8
+    requests = [Request(_prompt(rng, n), max_new_tokens=k, request_id=f"g{n}") for n in lengths]
+    with Engine(stack.target, return_logits=True) as engine:
+        report = engine.run(requests)
+    assert report.requests == len(lengths) and report.tokens == k * len(lengths)
+    assert report.steps <= k + 3                       # run together, not one after another
+    for req, done in zip(requests, report.completions):
+        (tokens,) = done.outputs
+        assert tokens == _hf_greedy(model, req.prompt, k), req.request_id
+        with torch.no_grad():
+            ref = model(torch.tensor([req.prompt + tokens[:-1]])).logits[0, len(req.prompt) - 1:]
+        got = torch.tensor([list(row) for row in done.logits[0]])
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, atol=LOGITS_ATOL, rtol=0), (got - ref).abs().max()
+
+
+def test_parallel_sampling_children_match_independent_runs_and_share_blocks(stack):
+    rng = random.Random(2)
+    prompt, k, n = _prompt(rng, 37), 20, 4
+    with Engine(stack.target) as engine:
+        forked = engine.run([Request(prompt, max_new_tokens=k, n=n, temperature=0.9, seed=11)])
+        alone = engine.run([Request(prompt, max_new_tokens=k, temperature=0.9, seed=11 + i) for i in range(n)])
+    outputs = forked.completions[0].outputs
+    assert outputs == [c.outputs[0] for c in alone.completions]
+    assert len({tuple(o) for o in outputs}) == n       # the seeds differ, so do the samples
+    # Minimum: the prompt's blocks, one copy-on-write copy of its partial last block per
+    # child, and each branch's new blocks after the prompt.
+    prompt_blocks, final_blocks = math.ceil(len(prompt) / BS), math.ceil((len(prompt) + k - 1) / BS)
+    copies = n - 1 if len(prompt) % BS else 0
+    expected = prompt_blocks + copies + n * (final_blocks - prompt_blocks)
+    assert forked.cow_copies == copies
+    assert forked.peak_blocks == expected == 10
+    unshared = n * final_blocks                       # four independent prompts
+    assert forked.peak_unshared_blocks == unshared
+    assert forked.sharing_saving == pytest.approx(1 - expected / unshared) and forked.sharing_saving > 0
+
+
+def test_second_run_hits_the_prefix_cache_and_skips_those_tokens(stack, model):
+    rng = random.Random(3)
+    system = _prompt(rng, 70)                           # four full blocks and a bit
+    requests = [Request(system + _prompt(rng, rng.randrange(3, 30)), max_new_tokens=6) for _ in range(5)]
+    with Engine(stack.target) as engine:
+        first = engine.run(requests)
+        second = engine.run(requests)
+    total = sum(len(r.prompt) for r in requests)
+    assert first.prefill_tokens == total - first.prefix_hit_tokens
+    assert second.prefix_hit_tokens >= 5 * 64           # every request hits at least the system blocks
+    assert second.prefill_tokens == total - second.prefix_hit_tokens < first.prefill_tokens
+    assert all(c.num_cached_tokens >= 64 for c in second.completions)
+    got = [c.outputs[0] for c in second.completions]
+    assert got == [c.outputs[0] for c in first.completions]
+    assert got == [_hf_greedy(model, r.prompt, 6) for r in requests]
+
+
+def test_a_small_pool_completes_everything_by_waiting_and_preempting(stack, small_stack):
+    rng = random.Random(4)
+    requests = [Request(_prompt(rng, rng.randrange(20, 40)), max_new_tokens=40, request_id=f"p{i}")
+                for i in range(5)]
+    requests.append(Request(_prompt(rng, 30), max_new_tokens=30, n=2, temperature=0.7, seed=5, request_id="s"))
+    with Engine(stack.target) as engine:
+        roomy = engine.run(requests)
+    with Engine(small_stack.target) as engine:
+        tight = engine.run(requests)
+        too_big = engine.run([Request(_prompt(rng, 200), max_new_tokens=4, request_id="huge")])
+    assert roomy.preemptions == 0 and tight.failed == 0
+    assert tight.preemptions >= 1 and tight.peak_blocks <= 10
+    assert [c.outputs for c in tight.completions] == [c.outputs for c in roomy.completions]
+    (c,) = too_big.completions
+    assert too_big.failed == 1 and c.outputs == [[]] and "largest pool has 10" in c.error
+
+
+def test_demo_json_prints_the_seven_figures():
+    out = subprocess.run([sys.executable, "-m", "kvservice", "demo", "--json", "--quiet", "--requests", "8",
+                          "--max-new-tokens", "8"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    keys = {"requests", "tokens", "peak_blocks", "kv_utilization", "prefix_hit_tokens", "cow_copies",
+            "sharing_saving"}
+    assert keys <= set(report)
+    assert report["requests"] == 8
+    assert report["tokens"] == 8 * (6 * 1 + 2 * 4)       # requests 3 and 7 take four samples
+    assert report["peak_blocks"] > 0 and report["prefix_hit_tokens"] > 0 and report["cow_copies"] > 0
+    assert 0 < report["kv_utilization"] <= 1 and 0 < report["sharing_saving"] < 1
