@@ -152,6 +152,7 @@ class _Job:
         self.req, self.index = req, index
         self.branches = [_Branch(i, req.seed + i) for i in range(req.n)]
         self.admitted, self.cached, self.preemptions, self.error = 0, -1, 0, ""   # admitted: order
+        self.forking = False   # branch 0 was created for all n: the others fork after its prefill
 
     @property
     def done(self) -> bool:
@@ -265,7 +266,7 @@ class Engine:
         """Blocks a request holds at its peak when it runs alone, sharing what it can."""
         bs = max(self._block_size.values())
         total = len(req.prompt) + req.max_new_tokens - 1   # the last token is never fed back
-        shared = (len(req.prompt) - 1) // bs if req.n > 1 else 0
+        shared = len(req.prompt) // bs if req.n > 1 else 0
         return shared + req.n * (-(-total // bs) - shared)
 
     # ------------------------------------------------------------ one step
@@ -308,7 +309,7 @@ class Engine:
             r.prefix_hit_tokens += seq.num_cached_tokens
             if job.cached < 0:
                 job.cached = seq.num_cached_tokens
-            if len(tokens) < len(job.req.prompt):   # n > 1: the others are forked after its prefill
+            if job.forking and b.index == 0:   # n > 1: the others are forked after its prefill
                 for x in job.branches[1:]:
                     x.state = FOLLOW
             if job not in self._running:
@@ -352,12 +353,13 @@ class Engine:
         target = max(avail, key=avail.get)   # a step's creates land together (placed from the state before it)
 
         def split(job: _Job) -> bool:
-            return job.req.n > 1 and len(job.req.prompt) > 1 and not any(b.outputs for b in job.branches)
+            return job.req.n > 1 and not any(b.outputs for b in job.branches)
 
         def take(job: _Job, b: _Branch) -> bool:
             nonlocal seqs, budget, idle
             width = job.req.n if split(job) else 1
-            tokens = job.req.prompt[:-1] if width > 1 else job.req.prompt + b.outputs
+            job.forking = width > 1
+            tokens = job.req.prompt + b.outputs
             need, pool = -(-len(tokens) // self._block_size[target]) + width - 1, target
             if creates and self._solo or not idle and (need > avail[pool] or seqs + width > self.max_num_seqs
                              or (len(tokens) > budget and budget < self.max_prefill_tokens)):
@@ -419,9 +421,12 @@ class Engine:
                     bs, start = s.block_size, s.num_cached_tokens
                     if self._unwritten.get(s.pool, set()).intersection(s.block_table[:start // bs]):
                         continue   # reads blocks that another prompt writes this step: wait one
+                    # n > 1: the other samples' first tokens are drawn from the same position.
+                    extra = ([wpb.SamplingParams(temperature=job.req.temperature, seed=x.seed)
+                              for x in job.branches[1:]] if job.forking and b.index == 0 else [])
                     add(s.pool, b, job, wpb.ForwardSequence(
                         token_ids=b.context[start:], start_position=start, block_table=s.block_table,
-                        slot_mapping=s.slot_mapping(start), sampling=sampling), PREFILL)
+                        slot_mapping=s.slot_mapping(start), sampling=sampling, extra_samples=extra), PREFILL)
                 elif b.state == DECODE and s.num_tokens == before.get(s, s.num_tokens - 1) + 1:
                     n = s.num_tokens
                     add(s.pool, b, job, wpb.ForwardSequence(
@@ -441,26 +446,32 @@ class Engine:
         for pool, items in entries.items():
             response = calls[pool].result()
             rows = _rows(response.logits, len(items)) if self.return_logits else [None] * len(items)
+            extra = iter(response.extra_tokens)
             for (b, job, fs, kind), token, row in zip(items, response.next_tokens, rows):
                 if kind == PREFILL:
                     r.prefill_tokens += len(fs.token_ids)
                     self._unwritten[pool].difference_update(fs.block_table[fs.start_position // b.seq.block_size:])
-                    if len(b.context) < len(job.req.prompt):   # n > 1: fork with the last prompt token
-                        for x in job.branches:
-                            x.pending, x.state = job.req.prompt[-1], FORK if x.index else DECODE
-                        continue
-                b.outputs.append(token)
-                b.pending = token
-                if row is not None:
-                    b.logits.append(row)
-                r.tokens += 1
-                if len(b.outputs) >= job.req.max_new_tokens:
-                    b.state = DONE
-                    self._to_free.append(b.seq)
-                    b.seq = None
-                else:
-                    b.state = DECODE
+                    if fs.extra_samples:   # n > 1: the others' first tokens; they fork next step
+                        for x in job.branches[1:]:
+                            self._sampled(x, job, next(extra), row, FORK)
+                        job.forking = False
+                self._sampled(b, job, token, row, DECODE)
         return sum(len(items) for items in entries.values())
+
+    def _sampled(self, b: _Branch, job: _Job, token: int, row: array | None, state: str) -> None:
+        """Records a branch's new token: it is fed next (``state``), or the branch is done."""
+        b.outputs.append(token)
+        b.pending = token
+        if row is not None:
+            b.logits.append(row)
+        self.report.tokens += 1
+        if len(b.outputs) >= job.req.max_new_tokens:
+            b.state = DONE
+            if b.seq is not None:
+                self._to_free.append(b.seq)
+                b.seq = None
+        else:
+            b.state = state
 
     # ------------------------------------------------------------ figures
 

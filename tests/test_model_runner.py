@@ -229,6 +229,29 @@ def test_sampling_does_not_depend_on_the_batch(model, stub):
     assert first.tokens[-1] == int(expected) == alone[9]
 
 
+def test_extra_samples_draw_what_independent_sequences_would(stub):
+    """n samples' first tokens from one prefill equal n separate prefills with those seeds."""
+    prompt = prompt_of(21, 5)
+    seeds = [11, 12, 13, 14]
+    alone = []
+    for seed in seeds:
+        seq = Seq(prompt, temperature=0.9, seed=seed)
+        forward(stub, [seq])
+        alone.append(seq.tokens[-1])
+    assert len(set(alone)) > 1
+    seq = Seq(prompt, temperature=0.9, seed=seeds[0])
+    req = seq.request()
+    req.extra_samples.extend(pb.SamplingParams(temperature=0.9, seed=s) for s in seeds[1:])
+    other = Seq(prompt_of(7, 5), temperature=0.5, seed=3)
+    reply = stub.Forward(pb.ForwardRequest(epoch=1, sequences=[other.request(), req]), timeout=30)
+    assert [reply.next_tokens[1], *reply.extra_tokens] == alone
+    greedy = seq.request()
+    greedy.extra_samples.add(temperature=0.0)
+    again = stub.Forward(pb.ForwardRequest(epoch=1, sequences=[greedy], return_logits=True), timeout=30)
+    logits = tensors.decode(again.logits, "logits", torch.float32, CPU)[0]
+    assert list(again.extra_tokens) == [int(torch.argmax(logits))]
+
+
 def test_describe_reports_the_model(stub):
     info = stub.Describe(pb.DescribeWorkerRequest())
     m = info.model
@@ -283,6 +306,10 @@ BAD: list[tuple[str, Callable[[], pb.ForwardRequest], grpc.StatusCode, str]] = [
      f"copies[0].src = {NUM_BLOCKS} is out of range 0..{NUM_BLOCKS - 1}"),
     ("copy-dst-twice", lambda: freq(copies=[(1, 4), (2, 4)]), IA, "copies[1].dst = 4 is the destination of two"),
     ("copy-dst-is-a-source", lambda: freq(copies=[(1, 4), (4, 6)]), IA, "copies[0].dst = 4 is also a source"),
+    ("extra-temperature", lambda: freq(pb.ForwardSequence(
+        token_ids=[1, 2], start_position=0, block_table=TABLE, slot_mapping=slots_of(TABLE, 0, 2),
+        extra_samples=[pb.SamplingParams(temperature=1.0), pb.SamplingParams(temperature=-2.0)])), IA,
+     "sequences[0].extra_samples[1].temperature must be finite and >= 0 (0: greedy), got -2.0"),
     # A valid copy with a bad sequence: the copy must not be applied either.
     ("good-copy-bad-sequence", lambda: freq(fseq(tokens=(1, 600)), copies=[(1, 3)]), IA, "token_ids[1] = 600"),
 ]

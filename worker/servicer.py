@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 from kvservice import errors
@@ -88,8 +90,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         sequences = [StepSequence(list(q.token_ids), q.start_position, list(q.block_table), list(q.slot_mapping),
                                   q.sampling.temperature, q.sampling.seed) for q in request.sequences]
+        extras = _extra_samples(request, sequences)       # checked before anything changes
         result = self.runner.step([(p.src, p.dst) for p in request.copies], sequences)
         reply = pb.ForwardResponse(next_tokens=result.next_tokens)
+        for i, draws in extras:
+            reply.extra_tokens.extend(self.runner.sample(result.logits[i:i + 1].expand(len(draws), -1), draws))
         if request.return_logits:
             reply.logits.CopyFrom(tensors.encode(result.logits))
         return reply
+
+
+MAX_EXTRA_SAMPLES = 256
+
+
+def _extra_samples(request: pb.ForwardRequest, sequences: list) -> list[tuple[int, list]]:
+    """Each sequence's extra draws from its last position, as steps that differ only in
+    their sampling (same context length, hence the same seeding rule)."""
+    out = []
+    for i, (q, seq) in enumerate(zip(request.sequences, sequences)):
+        if not q.extra_samples:
+            continue
+        if len(q.extra_samples) > MAX_EXTRA_SAMPLES:
+            raise errors.InvalidArgument(f"sequences[{i}]: {len(q.extra_samples)} extra_samples, at most "
+                                         f"{MAX_EXTRA_SAMPLES}")
+        draws = []
+        for j, params in enumerate(q.extra_samples):
+            t = params.temperature
+            if not (math.isfinite(t) and t >= 0):
+                raise errors.InvalidArgument(f"sequences[{i}].extra_samples[{j}].temperature must be finite and "
+                                             f">= 0 (0: greedy), got {t}")
+            draws.append(dataclasses.replace(seq, temperature=t, seed=params.seed))
+        out.append((i, draws))
+    return out
