@@ -114,7 +114,8 @@ def _up(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvservice", description=(
         "A distributed manager for the paged KV cache of LLM inference: a block allocator "
-        "over Redis with a gRPC API."))
+        "over Redis with a gRPC API, model workers that hold the KV pools (python -m worker), "
+        "and a continuous-batching engine."))
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run an allocator replica (embedded Redis unless --redis-url)")
