@@ -203,3 +203,16 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
             f"{int(over.sum())}/{over.numel()} elements beyond atol={atol}, rtol={rtol} ({dtype}); "
             f"max abs error {err.max().item():.3g}; first at [token, head, dim]={first}: "
             f"got {out64[tuple(first)].item():.6g}, expected {ref64[tuple(first)].item():.6g}")
+
+
+def expected_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``reshape_and_cache`` must leave in the caches, written one token at a time
+    (slots < 0 skipped): the reference for the bit-exact tests."""
+    block_size = k_cache.shape[2]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k[slot // block_size, :, slot % block_size] = key[t]
+            want_v[slot // block_size, :, slot % block_size] = value[t]
+    return want_k, want_v

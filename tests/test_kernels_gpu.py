@@ -28,7 +28,7 @@ _REASON = _cuda_skip_reason()
 if _REASON is not None:
     pytest.skip(_REASON, allow_module_level=True)
 
-from kernel_cases import assert_close_to_reference, make_case  # noqa: E402
+from kernel_cases import assert_close_to_reference, expected_cache_write, make_case  # noqa: E402
 
 from kernels.cuda_backend import CudaBackend  # noqa: E402
 from kernels.reference import reference_attention  # noqa: E402
@@ -172,11 +172,7 @@ def test_reshape_and_cache_is_exact(dtype, misaligned):
     vbuf = torch.randn((n * heads * d + shift,), generator=gen).to(dtype).to(DEV)
     key = kbuf[shift:].view(n, heads, d)
     value = vbuf[shift:].view(n, heads, d)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    for i, s in enumerate(slots.tolist()):
-        if s >= 0:
-            want_k[s // bs, :, s % bs] = key[i]
-            want_v[s // bs, :, s % bs] = value[i]
+    want_k, want_v = expected_cache_write(k_cache, v_cache, key, value, slots)
     CUDA.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
     torch.cuda.synchronize()
     assert _same_bits(k_cache, want_k) and _same_bits(v_cache, want_v)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import TOLERANCES, Case, assert_close_to_reference, make_case
+from kernel_cases import TOLERANCES, Case, assert_close_to_reference, expected_cache_write, make_case
 from kernels.reference import gather_kv, reference_attention
 from kernels.torch_backend import TorchBackend
 
@@ -161,11 +161,7 @@ def test_reshape_and_cache_writes_exactly_its_slots(backend, dtype):
     slots[[0, 5, 19]] = torch.tensor([-1, -7, -1])
     key = torch.randn((20, num_kv_heads, head_dim), generator=gen).to(dtype)
     value = torch.randn((20, num_kv_heads, head_dim), generator=gen).to(dtype)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            want_k[slot // block_size, :, slot % block_size] = key[t]
-            want_v[slot // block_size, :, slot % block_size] = value[t]
+    want_k, want_v = expected_cache_write(k_cache, v_cache, key, value, slots)
     backend.reshape_and_cache(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     # All padding, and no tokens at all: nothing changes.

@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvservice import errors
-from worker.pool import KVPool
+from worker.pool import KVPool, check_block_table
 
 _COMMON = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "initializer_range": 0.1}
 
@@ -157,13 +157,7 @@ class ModelRunner:
             if seq.start_position < 0:
                 raise errors.InvalidArgument(f"sequences[{i}].start_position = {seq.start_position} is negative")
             ctx, table = seq.context_len, seq.block_table
-            if ctx > len(table) * s.block_size:
-                raise errors.InvalidArgument(f"sequences[{i}]: context of {ctx} tokens is beyond its block table of "
-                                             f"{len(table)} blocks ({len(table) * s.block_size} slots)")
-            for j in range(math.ceil(ctx / s.block_size)):
-                if not 0 <= table[j] < s.num_blocks:
-                    raise errors.InvalidArgument(f"sequences[{i}].block_table[{j}] = {table[j]} is out of range "
-                                                 f"0..{s.num_blocks - 1}")
+            check_block_table(s, table, ctx, f"sequences[{i}]: context of {ctx} tokens", f"sequences[{i}].block_table")
             for j, tok in enumerate(seq.token_ids):
                 if not 0 <= tok < self.vocab_size:
                     raise errors.InvalidArgument(f"sequences[{i}].token_ids[{j}] = {tok} is out of range "

@@ -43,6 +43,18 @@ class PoolShape:
         return self.num_blocks * self.block_size
 
 
+def check_block_table(shape: PoolShape, table: list[int], ctx: int, context: str, name: str) -> None:
+    """InvalidArgument unless ``table`` covers ``ctx`` tokens with block ids of the pool
+    (entries past the blocks the context uses are not read, whatever they hold).
+    ``context`` and ``name`` say in the message which value was wrong."""
+    if ctx > len(table) * shape.block_size:
+        raise errors.InvalidArgument(f"{context} is beyond its block table of {len(table)} blocks "
+                                     f"({len(table) * shape.block_size} slots)")
+    for j in range(math.ceil(ctx / shape.block_size)):
+        if not 0 <= table[j] < shape.num_blocks:
+            raise errors.InvalidArgument(f"{name}[{j}] = {table[j]} is out of range 0..{shape.num_blocks - 1}")
+
+
 def blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
     """How many whole blocks a memory budget holds (at most the allocator's 2^24)."""
     return min(budget_bytes // bytes_per_block, MAX_BLOCKS)
@@ -128,13 +140,7 @@ class KVPool:
             if ctx < q:
                 raise errors.InvalidArgument(f"context_lens[{i}] = {ctx} is below its query_lens {q} "
                                              f"(the queries' own K/V are part of the context)")
-            if ctx > len(table) * s.block_size:
-                raise errors.InvalidArgument(f"context_lens[{i}] = {ctx} is beyond its block table of "
-                                             f"{len(table)} blocks ({len(table) * s.block_size} slots)")
-            for j in range(math.ceil(ctx / s.block_size)):
-                if not 0 <= table[j] < s.num_blocks:
-                    raise errors.InvalidArgument(f"block_tables[{i}][{j}] = {table[j]} is out of range "
-                                                 f"0..{s.num_blocks - 1}")
+            check_block_table(s, table, ctx, f"context_lens[{i}] = {ctx}", f"block_tables[{i}]")
         total = sum(query_lens)
         if query.dim() != 3 or query.shape[0] != total or query.shape[2] != s.head_dim:
             raise errors.InvalidArgument(f"query: shape {list(query.shape)}, expected [{total}, num_heads, "
