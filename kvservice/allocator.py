@@ -33,6 +33,8 @@ class Allocator:
         self._geometry: dict[str, tuple[int, Geometry]] = {}
         self._leases: dict[str, tuple[str, set[str]]] = {}   # lease -> (tenant, attached pools)
         self._sequence_ids: dict[str, tuple[str, int, int, str]] = {}   # parsed ids of recent steps
+        #: Leases this replica granted (retries of one request count once); read by metrics.
+        self.leases_granted = 0
 
     # ------------------------------------------------------------ pools
 
@@ -120,6 +122,8 @@ class Allocator:
         reply = await self.store.grant_lease({"lease": lease_id, "tenant": tenant, "ttl_ms": ttl_ms,
                                               "digest": _digest("grant", tenant, ttl_ms), "rid": request_id,
                                               "tombstone_ms": self._tombstone_ms()})
+        if not reply.get("replay"):
+            self.leases_granted += 1
         return _lease_info(reply)
 
     async def keep_alive(self, lease_id: str) -> LeaseInfo:

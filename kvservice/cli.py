@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, up, audit, bench, demo."""
+"""``kvservice`` command line: serve, up, audit, health, bench, demo."""
 
 from __future__ import annotations
 
@@ -66,6 +66,22 @@ def _audit(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"kvservice health: {args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.target} {args.service or '(server)'}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvservice.bench import main as bench_main
 
@@ -128,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default="", help="audit one pool (default: every pool)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
     p.set_defaults(func=_audit)
+
+    p = sub.add_parser("health", help="ask a server (allocator or worker) for its gRPC health; exit 0 if SERVING")
+    p.add_argument("--target", default="127.0.0.1:50051", help="host:port (default 127.0.0.1:50051)")
+    p.add_argument("--service", default="", help="service name to check (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    p.set_defaults(func=_health)
 
     p = sub.add_parser("bench", help="measure the allocator: floor, decode steps, create/fork/free")
     p.add_argument("--redis-url", default="", help="use this Redis (default: an embedded one)")

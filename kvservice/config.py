@@ -82,14 +82,21 @@ class Settings(EnvSettings):
     max_lease_ttl: float = 3600.0
     #: How long expired leases and their tombstones are remembered (seconds).
     lease_tombstone: float = 3600.0
+    #: Port of the Prometheus /metrics endpoint (on ``host``); 0: any free port; -1: off.
+    metrics_port: int = 9400
+    #: Seconds the metrics exporter lease lasts without a scrape (see docs/operations.md).
+    metrics_exporter_ttl: float = 30.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in -1..65535 (-1: off), got {self.metrics_port}")
         if self.prefix_cache_scope not in ("tenant", "global"):
             raise ValueError(f"prefix_cache_scope must be 'tenant' or 'global', got {self.prefix_cache_scope!r}")
-        for name in ("reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone"):
+        for name in ("reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",
+                     "metrics_exporter_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens",

@@ -52,19 +52,29 @@ def status_of(exc: errors.KvsError, encode_partial: PartialEncoder | None = None
     return status_pb2.Status(code=code, message=exc.message, details=packed)
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ``KvsError`` and Redis connection failures onto gRPC statuses."""
+class UnaryInterceptor(grpc.aio.ServerInterceptor):
+    """Base of the server's interceptors: ``wrap(inner, method)`` wraps every unary handler."""
 
-    def __init__(self, encode_partial: PartialEncoder | None = None) -> None:
-        self.encode_partial = encode_partial
+    def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+        raise NotImplementedError
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        inner = handler.unary_unary
-        method = handler_call_details.method
+        return grpc.unary_unary_rpc_method_handler(
+            self.wrap(handler.unary_unary, handler_call_details.method),
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+class ErrorInterceptor(UnaryInterceptor):
+    """Maps ``KvsError`` and Redis connection failures onto gRPC statuses."""
+
+    def __init__(self, encode_partial: PartialEncoder | None = None) -> None:
+        self.encode_partial = encode_partial
+
+    def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         encode = self.encode_partial
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -79,6 +89,4 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     code=code_pb2.UNAVAILABLE, message=f"the allocator's Redis is unreachable: {exc}"))
                 await context.abort(status.code, status.details, status.trailing_metadata)
 
-        return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+        return guarded

@@ -2,8 +2,8 @@
 
 ``AllocatorProcess`` runs ``python -m kvservice serve``; ``WorkerProcess`` runs
 ``python -m worker`` (by module name: nothing here imports the worker, torch or CuPy).
-Each binds port 0 (or a given port), reports its port through a file, and is stopped with
-SIGTERM. ``Stack`` starts a whole local deployment: an embedded Redis, an allocator and
+Each binds port 0 (or a given port) and a free /metrics port (unless its command names
+``--metrics-port``), reports both through a file, and is stopped with SIGTERM. ``Stack`` starts a whole local deployment: an embedded Redis, an allocator and
 N workers serving a model.
 """
 
@@ -20,8 +20,16 @@ from pathlib import Path
 from kvservice.embedded import EmbeddedRedis
 
 
+def write_port_file(path: str, port: int, extra: str, metrics_port: int) -> None:
+    """Writes ``<port>\\n<extra>\\n<metrics port>\\n`` atomically (what ``ServiceProcess`` reads)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{port}\n{extra}\n{metrics_port}\n")
+    os.replace(path + ".tmp", path)
+
+
 class ServiceProcess:
-    """A child process that writes ``<port>\\n<extra>\\n`` to ``--port-file`` once serving.
+    """A child process that writes ``<port>\\n<extra>\\n<metrics port>\\n`` to ``--port-file``
+    once serving.
 
     Args:
         command: the module and its arguments, after ``python -m``.
@@ -36,11 +44,18 @@ class ServiceProcess:
         self.proc: subprocess.Popen | None = None
         self.port = port
         self.extra = ""
+        #: The /metrics port (-1: metrics off).
+        self.metrics_port = -1
         self._dir: tempfile.TemporaryDirectory | None = None
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://127.0.0.1:<metrics port>/metrics``."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = 30.0, *, wait: bool = True) -> "ServiceProcess":
         """Spawns the process and (with ``wait``) waits until it serves."""
@@ -48,6 +63,8 @@ class ServiceProcess:
         log = open(Path(self._dir.name, "log"), "wb")
         cmd = [sys.executable, "-m", *self.command, "--port", str(self.port),
                "--port-file", str(Path(self._dir.name, "port"))]
+        if "--metrics-port" not in self.command:
+            cmd += ["--metrics-port", "0"]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **self.env})
         log.close()
@@ -62,8 +79,8 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             if port_file.exists():
-                port, extra = port_file.read_text().split("\n")[:2]
-                self.port, self.extra = int(port), extra
+                port, extra, metrics = (port_file.read_text().split("\n") + [""])[:3]
+                self.port, self.extra, self.metrics_port = int(port), extra, int(metrics or -1)
                 return self
             time.sleep(0.02)
         self.stop()
@@ -202,10 +219,11 @@ class Stack:
         """One line per process: what it is and where it listens."""
         lines = [f"redis      {self.redis.tcp_url} (and {self.redis.url})" if self.redis else "redis      -"]
         if self.allocator:
-            lines.append(f"allocator  {self.allocator.target} (pid {self.allocator.proc.pid})")
+            lines.append(f"allocator  {self.allocator.target} (pid {self.allocator.proc.pid}, "
+                         f"metrics {self.allocator.metrics_url})")
         for w in self.workers:
             model = f", model {self.model} seed {self.model_seed}" if self.model else ""
-            lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model})")
+            lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model}, metrics {w.metrics_url})")
         return lines
 
     def stop(self) -> None:

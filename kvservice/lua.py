@@ -993,7 +993,7 @@ end
 LEASE_GRANT = LEASE_LIB + r"""
 -- KEYS: lease hash, lease pools set. ARGV[1]: JSON {lease, tenant, ttl_ms, digest, rid, tombstone_ms}
 -- Returns JSON {lease, tenant, ttl_ms, deadline}; a retried grant (same digest) returns
--- the lease as it is now.
+-- the lease as it is now, with replay = true.
 local p = cjson.decode(ARGV[1])
 local now = now_ms()
 local have = redis.call('HMGET', K_LEASE, 'digest', 'tenant', 'ttl_ms', 'deadline')
@@ -1002,7 +1002,8 @@ if have[1] then
     return cjson.encode({err = 'INVALID_ARGUMENT',
       msg = 'request_id ' .. p.rid .. ' was already used with different arguments'})
   end
-  return cjson.encode({lease = p.lease, tenant = have[2], ttl_ms = tonumber(have[3]), deadline = tonumber(have[4])})
+  return cjson.encode({lease = p.lease, tenant = have[2], ttl_ms = tonumber(have[3]), deadline = tonumber(have[4]),
+    replay = true})
 end
 local deadline = now + p.ttl_ms
 redis.call('HSET', K_LEASE, 'tenant', p.tenant, 'ttl_ms', p.ttl_ms, 'deadline', deadline,
@@ -1049,4 +1050,29 @@ if redis.call('EXISTS', K_LEASE) == 0 then
 end
 redis.call('HSET', K_LEASE, 'revoked', 1, 'deadline', 0)
 return cjson.encode({pools = redis.call('SMEMBERS', K_POOLS)})
+"""
+
+
+# Metrics: the exporter lease (see kvservice.metrics). Not allocator state.
+EXPORTER_CLAIM = r"""
+-- KEYS[1]: the exporter key. ARGV[1]: this replica's id; ARGV[2]: TTL in ms.
+-- Takes the lease if nobody holds it, renews it if this replica does.
+-- Returns 1 if this replica holds the lease now, else 0.
+local key, me, ttl = KEYS[1], ARGV[1], ARGV[2]
+local holder = redis.call('GET', key)
+if holder and holder ~= me then
+  return 0
+end
+redis.call('SET', key, me, 'PX', ttl)
+return 1
+"""
+
+EXPORTER_RELEASE = r"""
+-- KEYS[1]: the exporter key. ARGV[1]: this replica's id.
+-- Drops the lease if this replica holds it. Returns 1 if it did, else 0.
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,6 +16,8 @@ from kvservice.allocator import Allocator
 from kvservice.config import Settings
 from kvservice.embedded import EmbeddedRedis
 from kvservice.interceptor import ErrorInterceptor
+from kvservice.launcher import write_port_file
+from kvservice.metrics import AllocatorMetrics, MetricsServer
 from kvservice.servicer import AllocatorServicer, outcome_to_pb
 from kvservice.store import Store, connect
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc
@@ -24,12 +26,17 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["Allocator"].full_name
 
 
-async def create_server(allocator: Allocator, address: str) -> tuple[grpc.aio.Server, int]:
+async def create_server(allocator: Allocator, address: str,
+                        metrics: AllocatorMetrics | None = None) -> tuple[grpc.aio.Server, int]:
     """A started-on-demand aio server with the allocator, health and reflection services.
 
     Returns the server (not yet started) and the bound port (``address`` may end in ``:0``).
+    With ``metrics``, every call is timed into its RPC histogram.
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(outcome_to_pb)],
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(outcome_to_pb)]
+    if metrics is not None:
+        interceptors.insert(0, metrics.interceptor)
+    server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.so_reuseport", 0)])
     allocator_pb2_grpc.add_AllocatorServicer_to_server(AllocatorServicer(allocator), server)
@@ -58,9 +65,19 @@ async def reaper(allocator: Allocator, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+@dataclass(slots=True)
+class Running:
+    """What ``running`` started: the gRPC port, the Redis URL and the metrics port (-1: off)."""
+
+    port: int
+    url: str
+    metrics_port: int
+
+
 @contextlib.asynccontextmanager
 async def running(settings: Settings):
-    """Runs an allocator server (and an embedded Redis if no URL is set); yields the port."""
+    """Runs an allocator server (and an embedded Redis if no URL is set) with its
+    /metrics endpoint (unless ``metrics_port`` is -1); yields a ``Running``."""
     embedded = None
     url = settings.redis_url
     if not url:
@@ -69,15 +86,25 @@ async def running(settings: Settings):
         log.info("embedded Redis %s at %s", embedded.version(), url)
     store = Store(connect(url))
     allocator = Allocator(store, settings)
-    server, port = await create_server(allocator, f"{settings.host}:{settings.port}")
+    metrics = http = None
+    if settings.metrics_port >= 0:
+        metrics = AllocatorMetrics(allocator, asyncio.get_running_loop(), settings.metrics_exporter_ttl)
+        store.observe = metrics.observe_script
+    server, port = await create_server(allocator, f"{settings.host}:{settings.port}", metrics)
     await server.start()
+    if metrics is not None:
+        http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
     sweeper = asyncio.create_task(reaper(allocator, settings.reap_interval))
     try:
-        yield port, url
+        yield Running(port, url, http.port if http else -1)
     finally:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        if http is not None:
+            http.stop()
+            with contextlib.suppress(Exception):
+                await metrics.collector.release()
         await server.stop(grace=2)
         await store.close()
         if embedded is not None:
@@ -90,12 +117,13 @@ async def serve(settings: Settings, port_file: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with running(settings) as (port, url):
-        log.info("kvservice allocator listening on %s:%d (Redis %s)", settings.host, port, url)
-        print(f"kvservice allocator listening on {settings.host}:{port}", flush=True)
+    async with running(settings) as r:
+        log.info("kvservice allocator listening on %s:%d (Redis %s)", settings.host, r.port, r.url)
+        print(f"kvservice allocator listening on {settings.host}:{r.port}", flush=True)
+        if r.metrics_port >= 0:
+            print(f"metrics on http://{settings.host}:{r.metrics_port}/metrics", flush=True)
         if port_file:
-            with open(port_file + ".tmp", "w") as f:
-                f.write(f"{port}\n{url}\n")
-            os.replace(port_file + ".tmp", port_file)
+            write_port_file(port_file, r.port, r.url, r.metrics_port)
         await stop.wait()
         log.info("stopping")
+

@@ -8,7 +8,8 @@ reads that must be consistent are one MULTI/EXEC. Script error codes become
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -69,8 +70,10 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
 class Store:
     """Allocator state in one Redis (or one Redis Cluster: every call names one slot)."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, observe: Callable[[str, float], None] | None = None) -> None:
         self.redis = redis
+        #: Called with (script name, seconds) after every script call (metrics hook).
+        self.observe = observe
         self._step = redis.register_script(lua.STEP)
         self._reap = redis.register_script(lua.REAP)
         self._register = redis.register_script(lua.REGISTER)
@@ -81,12 +84,34 @@ class Store:
         self._attach = redis.register_script(lua.LEASE_ATTACH)
         self._revoke = redis.register_script(lua.LEASE_REVOKE)
         self._heartbeat = redis.register_script(lua.HEARTBEAT)
+        self._claim = redis.register_script(lua.EXPORTER_CLAIM)
+        self._release = redis.register_script(lua.EXPORTER_RELEASE)
 
     async def close(self) -> None:
         await self.redis.aclose()
 
     async def ping(self) -> None:
         await self.redis.ping()
+
+    async def _call(self, name: str, script: Any, keys_: list[str], args: list[Any]) -> Any:
+        """One script call, timed for ``observe``."""
+        start = time.perf_counter()
+        try:
+            return await script(keys=keys_, args=args)
+        finally:
+            if self.observe is not None:
+                self.observe(name, time.perf_counter() - start)
+
+    async def _pipelined(self, name: str, pipe: Any, count: int, **kwargs: Any) -> list[Any]:
+        """Executes a pipeline of ``count`` calls of one script; each is observed with the pipeline's time."""
+        start = time.perf_counter()
+        try:
+            return await pipe.execute(**kwargs)
+        finally:
+            if self.observe is not None:
+                elapsed = time.perf_counter() - start
+                for _ in range(count):
+                    self.observe(name, elapsed)
 
     # ------------------------------------------------------------ pool scripts
 
@@ -98,8 +123,8 @@ class Store:
     async def register_pool(self, payload: dict[str, Any]) -> dict[str, Any]:
         pool_id = payload["pool"]
         await self.redis.sadd(keys.POOLS, pool_id)
-        raw = await self._register(keys=self._pool_args(pool_id, payload["rid"]),
-                                   args=[json.dumps(payload)])
+        raw = await self._call("register", self._register, self._pool_args(pool_id, payload["rid"]),
+                               [json.dumps(payload)])
         return decode_reply(raw)
 
     async def step(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
@@ -109,14 +134,14 @@ class Store:
         """
         if len(payloads) == 1:
             p = payloads[0]
-            raws = [await self._step(keys=self._pool_args(p["pool"], p["rid"]),
-                                     args=[json.dumps(p["header"]), *p["argv"]])]
+            raws = [await self._call("step", self._step, self._pool_args(p["pool"], p["rid"]),
+                                     [json.dumps(p["header"]), *p["argv"]])]
         else:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for p in payloads:
                     await self._step(keys=self._pool_args(p["pool"], p["rid"]),
                                      args=[json.dumps(p["header"]), *p["argv"]], client=pipe)
-                raws = await pipe.execute(raise_on_error=False)
+                raws = await self._pipelined("step", pipe, len(payloads), raise_on_error=False)
         out: list[dict[str, Any] | Exception] = []
         for raw in raws:
             if isinstance(raw, (RedisConnectionError, RedisTimeoutError)):
@@ -134,27 +159,27 @@ class Store:
                    max_seqs: int = 512, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
         payload = {"pool": pool_id, "force_lease": force_lease, "max_leases": max_leases,
                    "max_seqs": max_seqs, "tombstone_ms": tombstone_ms}
-        raw = await self._reap(keys=keys.pool_keys(pool_id), args=[json.dumps(payload)])
+        raw = await self._call("reap", self._reap, keys.pool_keys(pool_id), [json.dumps(payload)])
         return decode_reply(raw)
 
     async def heartbeat(self, pool_id: str, epoch: int) -> dict[str, Any]:
-        raw = await self._heartbeat(keys=[keys.pool_key(pool_id, "meta")], args=[pool_id, epoch])
+        raw = await self._call("heartbeat", self._heartbeat, [keys.pool_key(pool_id, "meta")], [pool_id, epoch])
         return decode_reply(raw)
 
     async def probe(self, pool_id: str, epoch: int, hashes: list[str]) -> dict[str, Any]:
-        raw = await self._probe(keys=keys.pool_keys(pool_id),
-                                args=[json.dumps({"pool": pool_id, "e": epoch, "hs": hashes})])
+        raw = await self._call("probe", self._probe, keys.pool_keys(pool_id),
+                               [json.dumps({"pool": pool_id, "e": epoch, "hs": hashes})])
         return decode_reply(raw)
 
     # ------------------------------------------------------------ lease scripts
 
     async def grant_lease(self, payload: dict[str, Any]) -> dict[str, Any]:
-        raw = await self._grant(keys=keys.lease_keys(payload["lease"]), args=[json.dumps(payload)])
+        raw = await self._call("lease_grant", self._grant, keys.lease_keys(payload["lease"]), [json.dumps(payload)])
         return decode_reply(raw)
 
     async def keep_alive(self, lease_id: str, tombstone_ms: int) -> dict[str, Any]:
-        raw = await self._keepalive(keys=keys.lease_keys(lease_id),
-                                    args=[json.dumps({"lease": lease_id, "tombstone_ms": tombstone_ms})])
+        raw = await self._call("lease_keepalive", self._keepalive, keys.lease_keys(lease_id),
+                               [json.dumps({"lease": lease_id, "tombstone_ms": tombstone_ms})])
         reply = decode_reply(raw)
         pools = [p.decode() if isinstance(p, bytes) else p for p in (reply.get("pools") or [])]
         if pools:
@@ -162,19 +187,32 @@ class Store:
                 for pool_id in pools:
                     await self._touch(keys=[keys.pool_key(pool_id, "leases")],
                                       args=[lease_id, reply["deadline"]], client=pipe)
-                await pipe.execute()
+                await self._pipelined("lease_touch", pipe, len(pools))
         reply["pools"] = pools
         return reply
 
     async def attach_lease(self, lease_id: str, pools: list[str], tombstone_ms: int) -> dict[str, Any]:
-        raw = await self._attach(keys=keys.lease_keys(lease_id),
-                                 args=[json.dumps({"lease": lease_id, "pools": pools,
-                                                   "tombstone_ms": tombstone_ms})])
+        raw = await self._call("lease_attach", self._attach, keys.lease_keys(lease_id),
+                               [json.dumps({"lease": lease_id, "pools": pools, "tombstone_ms": tombstone_ms})])
         return decode_reply(raw)
 
     async def revoke_lease(self, lease_id: str) -> list[str]:
-        raw = await self._revoke(keys=keys.lease_keys(lease_id), args=[json.dumps({"lease": lease_id})])
+        raw = await self._call("lease_revoke", self._revoke, keys.lease_keys(lease_id), [json.dumps({"lease": lease_id})])
         return list(decode_reply(raw).get("pools") or [])
+
+    # ------------------------------------------------------------ metrics exporter lease
+
+    async def claim_exporter(self, replica: str, ttl_ms: int) -> bool:
+        """Takes or renews the exporter lease; True if ``replica`` holds it now."""
+        return bool(await self._call("exporter_claim", self._claim, [keys.EXPORTER], [replica, ttl_ms]))
+
+    async def release_exporter(self, replica: str) -> bool:
+        return bool(await self._call("exporter_release", self._release, [keys.EXPORTER], [replica]))
+
+    async def now_ms(self) -> int:
+        """Redis's clock in milliseconds."""
+        sec, usec = await self.redis.time()
+        return int(sec) * 1000 + int(usec) // 1000
 
     # ------------------------------------------------------------ reads
 

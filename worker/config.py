@@ -24,6 +24,8 @@ class WorkerSettings(EnvSettings):
 
     host: str = "127.0.0.1"
     port: int = 50061
+    #: Port of the Prometheus /metrics endpoint (on ``host``); 0: any free port; -1: off.
+    metrics_port: int = 9401
     #: Address registered with the allocator for clients to reach (default host:port).
     advertise: str = ""
     #: The allocator's host:port; empty: standalone (epoch 1, nothing registered).
@@ -56,6 +58,8 @@ class WorkerSettings(EnvSettings):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in -1..65535 (-1: off), got {self.metrics_port}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.pool_id):
             raise ValueError(f"malformed pool_id {self.pool_id!r} (letters, digits, _ . -; at most 64)")
         parse_memory(self.kv_memory)

@@ -136,6 +136,8 @@ class ModelRunner:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.scale = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        #: Tokens computed by ``step`` so far (read by the worker's metrics).
+        self.num_tokens = 0
 
     # ------------------------------------------------------------ checks
 
@@ -189,6 +191,7 @@ class ModelRunner:
         self.check(copies, sequences)
         self.pool.copy(copies)
         logits = self.forward(sequences)
+        self.num_tokens += sum(len(seq.token_ids) for seq in sequences)
         return StepResult(self.sample(logits, sequences), logits)
 
     def forward(self, sequences: list[StepSequence]) -> torch.Tensor:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 import uuid
@@ -24,9 +23,12 @@ from grpc_reflection.v1alpha import reflection
 
 from kernels.backend import cuda_available
 from kvservice.interceptor import ErrorInterceptor
+from kvservice.launcher import write_port_file
+from kvservice.metrics import MetricsServer
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker import tensors
 from worker.config import WorkerSettings, parse_memory
+from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
 
@@ -109,15 +111,18 @@ def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
 
 
 async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = "",
-                        runner: ModelRunner | None = None
+                        runner: ModelRunner | None = None, metrics: WorkerMetrics | None = None
                         ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A not-yet-started server with the Worker, health and reflection services
-    (``runner``: the model ``Forward`` serves; None: K/V only).
+    (``runner``: the model ``Forward`` serves; None: K/V only; ``metrics``: RPCs are timed).
 
     Returns the server, the bound port and the health servicer (NOT_SERVING until the
     caller marks the pool registered).
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()],
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+    if metrics is not None:
+        interceptors.insert(0, metrics.interceptor)
+    server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE),
                                       ("grpc.max_send_message_length", MAX_MESSAGE),
                                       ("grpc.so_reuseport", 0)])
@@ -210,9 +215,16 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
                  sum(p.numel() for p in model.parameters()), pool.device)
     else:
         pool = build_pool(settings)
+    metrics = http = None
+    if settings.metrics_port >= 0:
+        metrics = WorkerMetrics(settings.pool_id, pool, runner)
+        metrics.attach()
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
-                                                        settings.allocator, runner)
+                                                        settings.allocator, runner, metrics)
     await server.start()
+    if metrics is not None:
+        http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
+        print(f"metrics on http://{settings.host}:{http.port}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -237,9 +249,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
             log.info("standalone: no allocator; pool %s serves epoch 1", settings.pool_id)
         await set_serving(health_servicer, True)
         if port_file:
-            with open(port_file + ".tmp", "w") as f:
-                f.write(f"{port}\n{settings.pool_id}\n")
-            os.replace(port_file + ".tmp", port_file)
+            write_port_file(port_file, port, settings.pool_id, http.port if http else -1)
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), settings.heartbeat_interval)
@@ -251,6 +261,8 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
     finally:
         await set_serving(health_servicer, False)
         await server.stop(grace=2)
+        if http is not None:
+            http.stop()
         if registrar is not None:
             await registrar.close()
     return code

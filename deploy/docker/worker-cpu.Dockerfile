@@ -1,0 +1,44 @@
+# A model worker on the CPU: `kvservice-worker` (gRPC on 50061, /metrics on 9401), the
+# torch backend of the kernels, CPU build of torch.
+#
+#   docker build -f deploy/docker/worker-cpu.Dockerfile -t kvservice/worker-cpu:0.1.0 .
+#
+# Configure it with KVSERVICE_WORKER_* variables (ALLOCATOR, POOL_ID, ADVERTISE, MODEL,
+# KV_MEMORY, ...); see `kvservice-worker --help`.
+
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/kvservice
+ENV PATH=/opt/kvservice/bin:$PATH
+# The CPU build first: the `worker` extra pins torch==2.13.0, which this satisfies, so pip
+# does not pull the much larger CUDA build from PyPI.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto proto
+COPY kvservice kvservice
+COPY worker worker
+COPY kernels kernels
+RUN pip install "grpcio-tools>=1.70,<2" \
+ && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvservice/v1/*.proto \
+ && touch kvservice/v1/__init__.py \
+ && pip install ".[worker]" \
+ && pip uninstall -y grpcio-tools
+
+FROM python:3.11-slim
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice
+COPY --from=build /opt/kvservice /opt/kvservice
+# The model's weights are drawn from a seed; nothing is downloaded.
+ENV PATH=/opt/kvservice/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    KVSERVICE_WORKER_HOST=0.0.0.0 \
+    KVSERVICE_WORKER_PORT=50061 \
+    KVSERVICE_WORKER_METRICS_PORT=9401 \
+    KVSERVICE_WORKER_DEVICE=cpu
+USER 10001:10001
+WORKDIR /home/kvservice
+EXPOSE 50061 9401
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["kvservice", "health", "--target", "127.0.0.1:50061"]
+CMD ["kvservice-worker"]

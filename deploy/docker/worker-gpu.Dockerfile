@@ -1,0 +1,57 @@
+# A model worker on an NVIDIA GPU: `kvservice-worker` (gRPC on 50061, /metrics on 9401),
+# the CUDA kernels through CuPy (NVRTC and the CUDA headers come from pip wheels).
+#
+#   docker build -f deploy/docker/worker-gpu.Dockerfile -t kvservice/worker-gpu:0.1.0 .
+#
+# Run it with a GPU (`--gpus 1`, or a compose / Kubernetes GPU reservation); the driver
+# comes from the host through the NVIDIA container toolkit.
+
+FROM nvidia/cuda:12.8.1-runtime-ubuntu22.04 AS base
+ENV DEBIAN_FRONTEND=noninteractive
+# Python 3.11 (Ubuntu 22.04 ships 3.10).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates software-properties-common gpg-agent \
+ && add-apt-repository -y ppa:deadsnakes/ppa \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+ && apt-get purge -y software-properties-common gpg-agent \
+ && apt-get autoremove -y \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM base AS build
+# A CUDA 12 build of torch (the `worker` extra pins the release: 2.13.0).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3.11 -m venv /opt/kvservice
+ENV PATH=/opt/kvservice/bin:$PATH
+RUN pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto proto
+COPY kvservice kvservice
+COPY worker worker
+COPY kernels kernels
+RUN pip install "grpcio-tools>=1.70,<2" \
+ && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvservice/v1/*.proto \
+ && touch kvservice/v1/__init__.py \
+ && pip install ".[worker,cuda]" \
+ && pip uninstall -y grpcio-tools
+
+FROM base
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice
+COPY --from=build /opt/kvservice /opt/kvservice
+# The model's weights are drawn from a seed; nothing is downloaded.
+ENV PATH=/opt/kvservice/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    KVSERVICE_WORKER_HOST=0.0.0.0 \
+    KVSERVICE_WORKER_PORT=50061 \
+    KVSERVICE_WORKER_METRICS_PORT=9401 \
+    KVSERVICE_WORKER_DEVICE=cuda
+USER 10001:10001
+WORKDIR /home/kvservice
+EXPOSE 50061 9401
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["kvservice", "health", "--target", "127.0.0.1:50061"]
+CMD ["kvservice-worker"]

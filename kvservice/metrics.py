@@ -1,0 +1,301 @@
+"""Prometheus metrics of allocator replicas and workers (prometheus-client).
+
+Every metric the project exports is declared once, in ``CATALOGUE``: the allocator and
+the worker build their metrics from it, ``docs/operations.md`` lists it, and the tests
+check the shipped dashboard against it. Names follow Prometheus conventions: one prefix
+(``kvservice_``), base units (seconds, bytes, blocks, tokens), ``_total`` on counters,
+0–1 ratios.
+
+Pool metrics come from Redis, the single source of truth, and would double if every
+replica exported them. Scheme: the replicas share an **exporter lease** in Redis
+(``kvs:exporter``, claimed and renewed by a Lua script whenever a replica is scraped,
+with a TTL of ``metrics_exporter_ttl`` seconds). Only the holder exports the ``kvservice_pool_*``
+series; the others export ``kvservice_pool_exporter 0``. If the holder dies, another
+scraped replica takes over once the lease expires. So ``sum by (pool)`` over all
+replicas is always right.
+
+Core code never touches Prometheus: the interceptor times RPCs, the store reports script
+durations through a callback, and the collector reads the allocator's own results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterable
+
+import grpc
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvservice.interceptor import UnaryInterceptor
+
+log = logging.getLogger(__name__)
+disable_created_metrics()
+
+PREFIX = "kvservice"
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SCRIPT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+KERNEL_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                  0.05, 0.1, 0.25, 1.0, 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported metric.
+
+    ``name`` is the family name (a counter's samples add ``_total``, which the name
+    already carries here); ``source`` says who exports it: ``allocator`` (every replica),
+    ``exporter`` (the replica holding the exporter lease), ``worker``, or ``both``
+    (allocator replicas and workers).
+    """
+
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+    source: str
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        """The names that appear in ``/metrics`` and PromQL."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+def _m(name: str, kind: str, labels: tuple[str, ...], source: str, help: str) -> MetricSpec:
+    return MetricSpec(f"{PREFIX}_{name}", kind, labels, help, source)
+
+
+POOL = ("pool",)
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # --- every process that serves gRPC
+    _m("rpc_duration_seconds", "histogram", ("service", "method", "code"), "both",
+       "Time to handle one gRPC call, by service, method and status code."),
+    # --- every allocator replica
+    _m("script_duration_seconds", "histogram", ("script",), "allocator",
+       "Time of one Lua script call as this replica sees it (pipelined calls: the pipeline's time)."),
+    _m("leases_granted_total", "counter", (), "allocator", "Leases granted by this replica."),
+    _m("pool_exporter", "gauge", (), "allocator",
+       "1 if this replica holds the exporter lease and exports the kvservice_pool_* series, else 0."),
+    _m("redis_up", "gauge", (), "allocator", "1 if the last metrics collection reached Redis, else 0."),
+    # --- pool state, from Redis, exported by the exporter-lease holder only
+    _m("pool_capacity_blocks", "gauge", POOL, "exporter", "Blocks in the pool (num_blocks)."),
+    _m("pool_free_blocks", "gauge", POOL, "exporter", "Blocks on the free list (never used or released uncached)."),
+    _m("pool_evictable_blocks", "gauge", POOL, "exporter",
+       "Blocks with no owner that still hold a cached prefix (reusable, evicted LRU-first)."),
+    _m("pool_used_blocks", "gauge", POOL, "exporter", "Blocks referenced by at least one block table."),
+    _m("pool_usage_ratio", "gauge", POOL, "exporter", "Used blocks / capacity, 0-1."),
+    _m("pool_sequences", "gauge", POOL, "exporter", "Live sequences in the pool."),
+    _m("pool_leases", "gauge", POOL, "exporter", "Leases holding sequences in the pool."),
+    _m("pool_block_size_tokens", "gauge", POOL, "exporter", "Token slots per block."),
+    _m("pool_epoch", "gauge", POOL, "exporter", "The pool's epoch (changes when its worker registers again)."),
+    _m("pool_heartbeat_age_seconds", "gauge", POOL, "exporter",
+       "Seconds since the pool's worker last sent a heartbeat (Redis clock); since registration before the first."),
+    _m("pool_prefix_queried_tokens_total", "counter", POOL, "exporter",
+       "Prompt tokens of created sequences (every create looks its prompt up in the prefix cache)."),
+    _m("pool_prefix_hit_tokens_total", "counter", POOL, "exporter", "Prompt tokens served from the prefix cache."),
+    _m("pool_evictions_total", "counter", POOL, "exporter", "Cached blocks evicted to make room."),
+    _m("pool_cow_copies_total", "counter", POOL, "exporter", "Copy-on-write block copies handed to workers."),
+    _m("pool_allocation_failures_total", "counter", POOL, "exporter",
+       "Calls refused with RESOURCE_EXHAUSTED (not enough free + evictable blocks)."),
+    _m("pool_allocated_blocks_total", "counter", POOL, "exporter", "Fresh blocks handed out (free list or eviction)."),
+    _m("pool_sequences_created_total", "counter", POOL, "exporter", "Sequences created (forks included)."),
+    _m("pool_sequences_freed_total", "counter", POOL, "exporter", "Sequences freed (reaped ones included)."),
+    _m("pool_leases_expired_total", "counter", POOL, "exporter", "Expired leases swept from the pool."),
+    _m("pool_sequences_reaped_total", "counter", POOL, "exporter", "Sequences freed because their lease expired."),
+    # --- workers
+    _m("worker_pool_bytes", "gauge", POOL, "worker", "Bytes of device memory held by the worker's K/V pool."),
+    _m("worker_pool_blocks", "gauge", POOL, "worker", "Blocks in the worker's K/V pool."),
+    _m("worker_kernel_duration_seconds", "histogram", ("pool", "kernel", "backend"), "worker",
+       "Time of one kernel launch on the worker's device, by kernel and backend (cuda or torch)."),
+    _m("worker_forward_tokens_total", "counter", POOL, "worker", "Tokens computed by Forward (prefill and decode)."),
+)
+BY_NAME = {m.name: m for m in CATALOGUE}
+#: Pool-stat counters in Redis (``PoolStats`` fields) -> catalogue names.
+POOL_COUNTERS = {
+    "prefix_queried_tokens": "pool_prefix_queried_tokens_total",
+    "prefix_hit_tokens": "pool_prefix_hit_tokens_total",
+    "evictions": "pool_evictions_total",
+    "cow_copies": "pool_cow_copies_total",
+    "allocation_failures": "pool_allocation_failures_total",
+    "blocks_allocated": "pool_allocated_blocks_total",
+    "sequences_created": "pool_sequences_created_total",
+    "sequences_freed": "pool_sequences_freed_total",
+    "leases_expired": "pool_leases_expired_total",
+    "sequences_reaped": "pool_sequences_reaped_total",
+}
+POOL_GAUGES = {
+    "num_blocks": "pool_capacity_blocks",
+    "num_free_blocks": "pool_free_blocks",
+    "num_evictable_blocks": "pool_evictable_blocks",
+    "num_used_blocks": "pool_used_blocks",
+    "usage": "pool_usage_ratio",
+    "num_sequences": "pool_sequences",
+    "num_leases": "pool_leases",
+}
+
+
+def spec(short: str) -> MetricSpec:
+    """The catalogue entry of ``kvservice_<short>``."""
+    return BY_NAME[f"{PREFIX}_{short}"]
+
+
+def sample_names(source: str | None = None) -> set[str]:
+    """Every sample name the code exports (of one source, or all)."""
+    return {n for m in CATALOGUE if source in (None, m.source) for n in m.sample_names}
+
+
+def histogram(short: str, registry: CollectorRegistry, buckets: Iterable[float]) -> Histogram:
+    """The catalogue's histogram ``kvservice_<short>`` registered in ``registry``."""
+    m = spec(short)
+    assert m.kind == "histogram", m
+    return Histogram(m.name, m.help, m.labels, registry=registry, buckets=tuple(buckets))
+
+
+def family(short: str, value: float | None = None) -> Metric:
+    """A gauge or counter family for a custom collector (``value`` for label-less ones)."""
+    m = spec(short)
+    cls = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+    name = m.name[: -len("_total")] if m.kind == "counter" else m.name
+    if value is not None:
+        return cls(name, m.help, value=value)
+    return cls(name, m.help, labels=m.labels)
+
+
+# ------------------------------------------------------------------ RPC latency
+
+
+class MetricsInterceptor(UnaryInterceptor):
+    """Times every unary call into ``kvservice_rpc_duration_seconds{service, method, code}``.
+
+    Put it first in the server's interceptor list, so that it also sees the status that
+    the error interceptor aborts with.
+    """
+
+    def __init__(self, rpc_seconds: Histogram) -> None:
+        self.rpc_seconds = rpc_seconds
+
+    def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+        service, _, name = method.lstrip("/").rpartition("/")
+        observe = self.rpc_seconds
+
+        async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                reply = await inner(request, context)
+                code = context.code() or grpc.StatusCode.OK
+                return reply
+            except BaseException:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                label = code.name if isinstance(code, grpc.StatusCode) else str(code)
+                observe.labels(service, name, label).observe(time.perf_counter() - start)
+
+        return timed
+
+
+# ------------------------------------------------------------------ HTTP endpoint
+
+
+class MetricsServer:
+    """``/metrics`` of one registry over HTTP, in a daemon thread (``port`` 0: any free port)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port = self.server.server_port
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ------------------------------------------------------------------ allocator
+
+
+def replica_id() -> str:
+    """A name for this process in the exporter lease: host, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+class AllocatorMetrics:
+    """The metrics of one allocator replica, in their own registry.
+
+    Args:
+        allocator: read for the pool series (``list_pools``) and ``leases_granted``.
+        loop: the event loop the allocator runs on (collection runs there).
+        exporter_ttl: seconds the exporter lease lasts without a scrape.
+    """
+
+    def __init__(self, allocator: Any, loop: asyncio.AbstractEventLoop, exporter_ttl: float) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_seconds = histogram("rpc_duration_seconds", self.registry, RPC_BUCKETS)
+        self.script_seconds = histogram("script_duration_seconds", self.registry, SCRIPT_BUCKETS)
+        self.interceptor = MetricsInterceptor(self.rpc_seconds)
+        self.collector = PoolCollector(allocator, loop, exporter_ttl)
+        self.registry.register(self.collector)
+
+    def observe_script(self, script: str, seconds: float) -> None:
+        self.script_seconds.labels(script).observe(seconds)
+
+
+class PoolCollector:
+    """Collects the pool series from Redis at scrape time, if this replica is the exporter."""
+
+    TIMEOUT = 5.0
+
+    def __init__(self, allocator: Any, loop: asyncio.AbstractEventLoop, exporter_ttl: float) -> None:
+        self.allocator = allocator
+        self.loop = loop
+        self.ttl_ms = max(1, int(exporter_ttl * 1000))
+        self.replica = replica_id()
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    async def _read(self) -> tuple[bool, list[Any], int]:
+        store = self.allocator.store
+        if not await store.claim_exporter(self.replica, self.ttl_ms):
+            return False, [], 0
+        return True, await self.allocator.list_pools(), await store.now_ms()
+
+    async def release(self) -> None:
+        """Gives the exporter lease up (on shutdown), so another replica takes over at once."""
+        await self.allocator.store.release_exporter(self.replica)
+
+    def collect(self) -> Iterable[Metric]:
+        yield family("leases_granted_total", self.allocator.leases_granted)
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._read(), self.loop)
+            exporter, pools, now_ms = future.result(self.TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is down
+            log.warning("metrics: cannot read the pools from Redis: %s", exc)
+            yield family("redis_up", 0)
+            yield family("pool_exporter", 0)
+            return
+        yield family("redis_up", 1)
+        yield family("pool_exporter", 1 if exporter else 0)
+        if not exporter:
+            return
+        out = {short: family(short) for short in (*POOL_GAUGES.values(), *POOL_COUNTERS.values(),
+                                                  "pool_block_size_tokens", "pool_epoch",
+                                                  "pool_heartbeat_age_seconds")}
+        for info in pools:
+            labels = [info.pool_id]
+            for field, short in POOL_GAUGES.items():
+                out[short].add_metric(labels, float(info.stats.get(field, 0)))
+            for field, short in POOL_COUNTERS.items():
+                out[short].add_metric(labels, float(info.stats.get(field, 0)))
+            out["pool_block_size_tokens"].add_metric(labels, info.geometry.block_size)
+            out["pool_epoch"].add_metric(labels, info.epoch)
+            seen = info.last_heartbeat_ms or info.registered_at_ms
+            out["pool_heartbeat_age_seconds"].add_metric(labels, max(0, now_ms - seen) / 1000)
+        yield from out.values()

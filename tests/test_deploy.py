@@ -1,0 +1,1018 @@
+"""The deployment files against the code they deploy: docker-compose.yml, the Dockerfiles,
+the Prometheus configuration and rules, the Grafana dashboard, the Kubernetes manifests
+and the metric table of docs/operations.md.
+
+Nothing here needs Docker or a network: the files are parsed, every command is parsed by
+the project's own argument parsers, every ``KVSERVICE_*`` variable must be a settings
+field whose value the settings accept, every port must be the one the settings use, and
+every PromQL expression must parse and name only metrics of ``kvservice.metrics.CATALOGUE``.
+``promtool`` and ``kubectl kustomize`` run where they are installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import importlib
+import itertools
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+import pytest
+import yaml
+
+from kvservice.config import Settings
+from kvservice.metrics import CATALOGUE, sample_names
+from worker.config import WorkerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+COMPOSE = ROOT / "docker-compose.yml"
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+RULES = DEPLOY / "prometheus" / "rules.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kvservice.json"
+DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources"
+DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards"
+K8S = DEPLOY / "k8s"
+OPERATIONS = ROOT / "docs" / "operations.md"
+
+JOBS = {"kvservice-allocator", "kvservice-worker"}
+#: Labels that Prometheus or the Kubernetes scrape configuration add to every series.
+TARGET_LABELS = {"job", "instance", "pod", "namespace"}
+SAMPLES = sample_names()
+#: sample name -> the labels its metric carries (histogram buckets add ``le``).
+SAMPLE_LABELS = {n: set(m.labels) | ({"le"} if n.endswith("_bucket") and m.kind == "histogram" else set())
+                 for m in CATALOGUE for n in m.sample_names}
+EXPORTER_SAMPLES = sample_names("exporter")
+
+
+# ------------------------------------------------------------------ helpers: files
+
+
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's variable interpolation (``${VAR}``, ``${VAR:-default}``, ``$$``) on every string."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1)) or (m.group(3) or "")
+
+    return re.sub(r"\$\$|\$\{(\w+)(:?-([^}]*))?\}", sub, value)
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict:
+    return _interpolate(yaml.safe_load(COMPOSE.read_text()), env or {})
+
+
+def services() -> dict[str, dict]:
+    return load_compose()["services"]
+
+
+def env_of(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def published(service: dict) -> list[tuple[int | None, int]]:
+    """(host port, container port) of every ``ports`` entry, short or long syntax."""
+    out = []
+    for p in service.get("ports", []):
+        if isinstance(p, dict):
+            out.append((int(p["published"]) if p.get("published") else None, int(p["target"])))
+        else:
+            parts = str(p).split("/")[0].split(":")
+            out.append((int(parts[-2]) if len(parts) > 1 else None, int(parts[-1])))
+    return out
+
+
+def network_names(name: str, service: dict) -> set[str]:
+    """The names a service answers to on the compose network: its own and its aliases."""
+    names = {name}
+    networks = service.get("networks") or {}
+    if isinstance(networks, dict):
+        for net in networks.values():
+            names.update((net or {}).get("aliases", []))
+    return names
+
+
+@dataclasses.dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[tuple[str, str]]
+    env: dict[str, str]
+
+
+def dockerfile_stages(path: Path) -> list[Stage]:
+    """The stages of a Dockerfile: continuation lines joined, comments dropped, ENV
+    collected (inherited from an earlier stage that a FROM names)."""
+    instructions: list[tuple[str, str]] = []
+    current = ""
+    for line in path.read_text().splitlines():
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        if s.endswith("\\"):
+            current += s[:-1] + " "
+            continue
+        current += s
+        word, _, rest = current.partition(" ")
+        instructions.append((word.upper(), rest.strip()))
+        current = ""
+    assert not current, f"{path}: a continuation line at the end"
+    stages: list[Stage] = []
+    for word, rest in instructions:
+        if word == "FROM":
+            base, _, name = rest.partition(" AS ") if " AS " in rest else rest.partition(" as ")
+            base = base.split()[-1]
+            parent = next((st for st in stages if st.name == base), None)
+            stages.append(Stage(base, name.strip(), [], dict(parent.env) if parent else {}))
+            continue
+        assert stages, f"{path}: {word} before FROM"
+        stages[-1].instructions.append((word, rest))
+        if word == "ENV":
+            for token in shlex.split(rest):
+                key, eq, value = token.partition("=")
+                assert eq, f"{path}: use ENV KEY=VALUE, not {rest!r}"
+                stages[-1].env[key] = value
+    return stages
+
+
+def final(stages: list[Stage], word: str) -> list[str]:
+    return [rest for w, rest in stages[-1].instructions if w == word]
+
+
+def exec_form(text: str) -> list[str]:
+    argv = json.loads(text)
+    assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), text
+    return argv
+
+
+def healthcheck_argv(text: str) -> list[str]:
+    _, cmd, argv = text.partition("CMD ")
+    assert cmd, f"HEALTHCHECK without CMD: {text}"
+    return exec_form(argv)
+
+
+def k8s_documents() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return docs
+
+
+def k8s(kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in k8s_documents() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+
+
+def one(kind: str, name: str) -> dict:
+    found = k8s(kind, name)
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+# ------------------------------------------------------------------ helpers: the CLI
+
+
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def parse_command(argv: list[str]) -> tuple[str, Any] | None:
+    """Parses a command line with the project's own parser: ``(module, namespace)``, or None
+    for a program that is not the project's (redis-server, wget). A bad command fails."""
+    if argv[0] in SCRIPTS:
+        module, rest = SCRIPTS[argv[0]].split(":")[0], argv[1:]
+    elif Path(argv[0]).name.startswith("python") and argv[1:2] == ["-m"]:
+        module, rest = argv[2], argv[3:]
+    else:
+        return None
+    mod = importlib.import_module(module)
+    if not hasattr(mod, "build_parser"):
+        module = f"{module}.cli"
+        mod = importlib.import_module(module)
+    try:
+        return module, mod.build_parser().parse_args(rest)
+    except SystemExit:
+        pytest.fail(f"the CLI rejects {argv}")
+
+
+def settings_class(argv: list[str]) -> type | None:
+    """Settings for an allocator (``kvservice serve``), WorkerSettings for a worker, else None."""
+    parsed = parse_command(argv)
+    if parsed is None:
+        return None
+    module, args = parsed
+    if module == "kvservice.cli" and args.command == "serve":
+        return Settings
+    if module == "worker.cli":
+        return WorkerSettings
+    return None
+
+
+def env_problems(env: dict[str, str], cls: type) -> list[str]:
+    """Every ``KVSERVICE_*`` name that is not a field of ``cls`` (or belongs to the other process)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    problems = []
+    for key in env:
+        if not key.startswith("KVSERVICE_"):
+            continue
+        if not key.startswith(cls.env_prefix) or (cls is Settings and key.startswith(WorkerSettings.env_prefix)):
+            problems.append(f"{key} is not read by {cls.__name__} (prefix {cls.env_prefix})")
+        elif key[len(cls.env_prefix):].lower() not in names:
+            problems.append(f"{key} names no field of {cls.__name__}")
+    return problems
+
+
+def settings_of(argv: list[str], env: dict[str, str]):
+    """The settings the command would run with: ``env``, then the command's flags."""
+    cls = settings_class(argv)
+    assert cls is not None, f"{argv} is neither an allocator nor a worker"
+    assert not env_problems(env, cls), env_problems(env, cls)
+    _, args = parse_command(argv)
+    flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
+    try:
+        return cls.from_env(env, **flags)
+    except ValueError as exc:
+        pytest.fail(f"{cls.__name__} rejects {env}: {exc}")
+
+
+def health_port(argv: list[str]) -> int:
+    """The port that ``kvservice health --target host:port`` asks."""
+    module, args = parse_command(argv) or (None, None)
+    assert module == "kvservice.cli" and args.command == "health", f"not a kvservice health check: {argv}"
+    return int(args.target.rsplit(":", 1)[1])
+
+
+# ------------------------------------------------------------------ helpers: PromQL
+
+
+def grafana_to_promql(expr: str) -> str:
+    """Grafana's interval variables become a duration, so that the expression is PromQL
+    (``$pool`` may stay: it is only valid inside a label matcher's string)."""
+    return re.sub(r"\$\{?__(rate_interval|interval|range)\}?", "5m", expr)
+
+
+def children(node: Any) -> Iterator[Any]:
+    """The sub-expressions of any promql_parser node, whatever its type."""
+    for attr in ("args", "expr", "lhs", "rhs", "param", "vector_selector"):
+        child = getattr(node, attr, None)
+        if isinstance(child, list):
+            yield from child
+        elif child is not None and not isinstance(child, (str, int, float)):
+            yield child
+
+
+def selectors(node: Any, ancestors: tuple = ()) -> Iterator[tuple[Any, tuple]]:
+    """Every VectorSelector under ``node``, with the nodes above it."""
+    if isinstance(node, promql_parser.VectorSelector):
+        yield node, ancestors
+        return
+    for child in children(node):
+        yield from selectors(child, (*ancestors, node))
+
+
+def selector_name(vs: promql_parser.VectorSelector) -> str | None:
+    if vs.name:
+        return vs.name
+    for m in vs.matchers.matchers:
+        if m.name == "__name__" and m.op == promql_parser.MatchOp.Equal:
+            return m.value
+    return None
+
+
+def promql_problems(expr: str) -> list[str]:
+    """Why ``expr`` (PromQL, or Grafana's ``label_values(metric, label)``) is wrong: it does
+    not parse, a selector names no catalogue metric or a label the metric lacks, it groups
+    by a label no selector has, or it reads pool series without aggregating them over the
+    allocator replicas. Empty if nothing is wrong."""
+    m = re.fullmatch(r"\s*label_values\(\s*([A-Za-z_:][\w:]*)\s*,\s*(\w+)\s*\)\s*", expr)
+    if m:
+        name, label = m.groups()
+        if name not in SAMPLES:
+            return [f"label_values names {name}, which no code exports"]
+        if label not in SAMPLE_LABELS[name]:
+            return [f"label_values asks for label {label} of {name}, which has {sorted(SAMPLE_LABELS[name])}"]
+        return []
+    try:
+        tree = promql_parser.parse(grafana_to_promql(expr))
+    except Exception as exc:  # noqa: BLE001 - the parser raises its own error types
+        return [f"does not parse: {exc}"]
+    problems = []
+    found = list(selectors(tree))
+    if not found:
+        problems.append("names no metric")
+    for vs, above in found:
+        name = selector_name(vs)
+        if name is None:
+            problems.append(f"a selector without a metric name: {vs}")
+            continue
+        if name not in SAMPLES:
+            problems.append(f"{name} is exported by no code (not in kvservice.metrics.CATALOGUE)")
+            continue
+        for matcher in vs.matchers.matchers:
+            if matcher.name != "__name__" and matcher.name not in SAMPLE_LABELS[name] | TARGET_LABELS:
+                problems.append(f"{name} has no label {matcher.name}")
+        if name in EXPORTER_SAMPLES:
+            aggregations = [a for a in above if isinstance(a, promql_parser.AggregateExpr)]
+            if not any(a.modifier is None or (a.modifier.type == promql_parser.AggModifierType.By
+                                              and not set(a.modifier.labels) & TARGET_LABELS)
+                       for a in aggregations):
+                problems.append(f"{name} is not aggregated over the allocator replicas (use sum by (pool))")
+
+    def check_grouping(node: Any) -> None:
+        if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
+            inner = set().union(*(SAMPLE_LABELS.get(selector_name(vs) or "", set())
+                                  for vs, _ in selectors(node.expr)))
+            for label in node.modifier.labels:
+                if label not in inner | TARGET_LABELS:
+                    problems.append(f"groups by {label}, which none of its metrics has")
+        for child in children(node):
+            check_grouping(child)
+
+    check_grouping(tree)
+    return problems
+
+
+def library_selector_names(expr: str) -> set[str | None]:
+    """Selector names as promql_parser's own walk finds them (to check ``selectors``)."""
+    names: set[str | None] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            names.add(selector_name(node))
+
+    promql_parser.walk(promql_parser.parse(grafana_to_promql(expr)), pre_visit=visit)
+    return names
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_panels() -> list[dict]:
+    out = []
+    for panel in dashboard()["panels"]:
+        out.append(panel)
+        out += panel.get("panels", [])     # panels inside collapsed rows
+    return out
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(where, expression) for every panel target and template-variable query."""
+    exprs = [(f"panel {p['id']} {p.get('title')!r} target {t.get('refId')}", t["expr"])
+             for p in dashboard_panels() for t in p.get("targets", [])]
+    for var in dashboard().get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            q = var["query"]
+            exprs.append((f"variable {var['name']}", q["query"] if isinstance(q, dict) else q))
+    return exprs
+
+
+def rule_exprs() -> list[tuple[str, str]]:
+    return [(r.get("record") or r.get("alert"), r["expr"])
+            for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def provisioned_uid() -> str:
+    uids = [ds["uid"] for f in sorted(DATASOURCES.glob("*.yml")) for ds in yaml.safe_load(f.read_text())["datasources"]]
+    assert len(uids) == 1, f"expected one provisioned data source, found {uids}"
+    return uids[0]
+
+
+# ================================================================== compose
+
+
+def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
+    svc = services()
+    assert set(svc) == {"redis", "allocator", "prometheus", "grafana",
+                        "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"}
+    # No profile: Redis, the allocator, Prometheus and Grafana; the workers come with
+    # exactly one of the profiles gpu and cpu.
+    assert {n for n, s in svc.items() if not s.get("profiles")} == {"redis", "allocator", "prometheus", "grafana"}
+    for name, s in svc.items():
+        if name.startswith("worker-"):
+            assert s.get("profiles") == [name.split("-")[1]], name
+
+
+def test_compose_builds_name_a_context_and_dockerfile_that_exist():
+    builds = {n: s["build"] for n, s in services().items() if "build" in s}
+    assert set(builds) == {"allocator", "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"}
+    for name, build in builds.items():
+        context = ROOT / build["context"]
+        assert context.is_dir(), f"{name}: no build context {context}"
+        assert (context / build["dockerfile"]).is_file(), f"{name}: no Dockerfile {build['dockerfile']}"
+        assert services()[name]["pull_policy"] == "build", f"{name} may pull a registry image instead of building"
+
+
+def _pinned(image: str) -> bool:
+    if "@sha256:" in image:
+        return True
+    repo, _, tag = image.rpartition(":")
+    return bool(repo) and "/" not in tag and tag not in ("", "latest")
+
+
+def test_every_image_is_pinned_to_a_tag():
+    images = [(n, s["image"]) for n, s in services().items()]
+    assert all(image for _, image in images)
+    for path in sorted((DEPLOY / "docker").glob("*.Dockerfile")):
+        stages = dockerfile_stages(path)
+        names = {st.name for st in stages}
+        images += [(path.name, st.base) for st in stages if st.base not in names]
+    for where, image in images:
+        assert _pinned(image), f"{where}: image {image!r} is not pinned to a tag"
+    assert not _pinned("redis") and not _pinned("redis:latest") and _pinned("redis:7.2")
+
+
+def _command(name: str, service: dict) -> list[str]:
+    """The command a service runs: its ``command``, else its Dockerfile's CMD."""
+    if "command" in service:
+        cmd = service["command"]
+        return cmd if isinstance(cmd, list) else shlex.split(cmd)
+    if "build" in service:
+        stages = dockerfile_stages(ROOT / service["build"]["context"] / service["build"]["dockerfile"])
+        return exec_form(final(stages, "CMD")[-1])
+    return []
+
+
+def _image_env(service: dict) -> dict[str, str]:
+    if "build" not in service:
+        return {}
+    return dockerfile_stages(ROOT / service["build"]["context"] / service["build"]["dockerfile"])[-1].env
+
+
+def test_every_command_and_health_check_parses_with_the_project_cli():
+    roles = {}
+    for name, s in services().items():
+        cmd = _command(name, s)
+        if cmd:
+            roles[name] = settings_class(cmd)
+        test = s["healthcheck"]["test"]
+        if test[0] == "CMD":
+            parse_command(test[1:])
+    assert roles["allocator"] is Settings
+    for name in ("worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"):
+        assert roles[name] is WorkerSettings, name
+    with pytest.raises(pytest.fail.Exception):
+        parse_command(["kvservice", "serv"])
+    with pytest.raises(pytest.fail.Exception):
+        parse_command(["kvservice-worker", "--no-such-flag"])
+
+
+def test_every_kvservice_variable_is_a_settings_field_with_a_valid_value():
+    checked = 0
+    for name, s in services().items():
+        cmd = _command(name, s)
+        cls = settings_class(cmd) if cmd else None
+        env = {**_image_env(s), **env_of(s)}
+        if cls is None:
+            assert not [k for k in env if k.startswith("KVSERVICE_")], f"{name}: KVSERVICE_* on a foreign service"
+            continue
+        assert not env_problems(env, cls), f"{name}: {env_problems(env, cls)}"
+        settings_of(cmd, env)
+        checked += 1
+    assert checked == 5
+    assert env_problems({"KVSERVICE_WORKER_PORT": "1"}, Settings)
+    assert env_problems({"KVSERVICE_PORTT": "1"}, Settings)
+    assert env_problems({"KVSERVICE_PORT": "1"}, WorkerSettings)
+    with pytest.raises(pytest.fail.Exception):
+        settings_of(["kvservice", "serve"], {"KVSERVICE_PORT": "fifty"})
+
+
+def _settings(name: str, s: dict):
+    return settings_of(_command(name, s), {**_image_env(s), **env_of(s)})
+
+
+def test_published_ports_and_health_checks_are_the_ports_the_settings_use():
+    svc = services()
+    alloc = _settings("allocator", svc["allocator"])
+    assert sorted(published(svc["allocator"])) == sorted([(alloc.port, alloc.port),
+                                                          (alloc.metrics_port, alloc.metrics_port)])
+    assert health_port(svc["allocator"]["healthcheck"]["test"][1:]) == alloc.port
+    workers = {n: s for n, s in svc.items() if n.startswith("worker-")}
+    for name, s in workers.items():
+        ws = _settings(name, s)
+        # Clients on the host reach the advertised 127.0.0.1:<port> through the same port.
+        assert published(s) == [(ws.port, ws.port)], name
+        assert health_port(s["healthcheck"]["test"][1:]) == ws.port, name
+        assert ws.advertise.rsplit(":", 1)[1] == str(ws.port), name
+        assert ws.allocator == f"allocator:{alloc.port}", name
+    for profile in ("gpu", "cpu"):
+        group = [_settings(n, s) for n, s in workers.items() if s["profiles"] == [profile]]
+        assert sorted(w.pool_id for w in group) == ["worker-0", "worker-1"], profile
+        assert len({w.port for w in group}) == len(group), f"{profile}: two workers on one port"
+    assert [p for _, p in published(svc["redis"])] == [6379]
+
+
+def test_every_service_has_a_health_check():
+    for name, s in services().items():
+        test = (s.get("healthcheck") or {}).get("test")
+        assert test and test[0] in ("CMD", "CMD-SHELL") and not s["healthcheck"].get("disable"), name
+
+
+def test_dependencies_wait_for_health():
+    svc = services()
+    assert svc["allocator"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name, s in svc.items():
+        if name.startswith("worker-"):
+            assert s["depends_on"]["allocator"]["condition"] == "service_healthy", name
+    assert svc["allocator"]["environment"]["KVSERVICE_REDIS_URL"].startswith("redis://redis:6379/")
+
+
+def _flag_pairs(argv: list[str]) -> dict[str, str]:
+    return {a: b for a, b in itertools.pairwise(argv) if a.startswith("--")}
+
+
+def test_redis_keeps_an_append_only_file_and_never_evicts():
+    s = services()["redis"]
+    flags = _flag_pairs(s["command"])
+    assert s["command"][0] == "redis-server"
+    assert flags["--appendonly"] == "yes" and flags["--maxmemory-policy"] == "noeviction"
+    assert any(v.endswith(":/data") for v in s["volumes"])
+    assert s["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_gpu_workers_reserve_an_nvidia_gpu_and_cpu_workers_use_the_cpu():
+    for name, s in services().items():
+        if not name.startswith("worker-"):
+            continue
+        ws = _settings(name, s)
+        devices = s.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if s["profiles"] == ["gpu"]:
+            assert ws.device.startswith("cuda"), name
+            assert len(devices) == 1 and devices[0]["driver"] == "nvidia", name
+            assert devices[0]["count"] == 1 and "gpu" in devices[0]["capabilities"], name
+            assert s["build"]["dockerfile"].endswith("worker-gpu.Dockerfile"), name
+        else:
+            assert ws.device == "cpu", name
+            assert not devices, name
+            assert s["build"]["dockerfile"].endswith("worker-cpu.Dockerfile"), name
+
+
+def _bind_mounts(service: dict) -> dict[str, Path]:
+    """container path -> host path of every bind mount (``./...``)."""
+    out = {}
+    for v in service.get("volumes", []):
+        source, target = v.split(":")[:2]
+        if source.startswith(("./", "../", "/")):
+            out[target] = (ROOT / source).resolve()
+    return out
+
+
+def test_prometheus_and_grafana_mount_files_that_exist():
+    svc = services()
+    for name in ("prometheus", "grafana"):
+        for target, source in _bind_mounts(svc[name]).items():
+            assert source.exists(), f"{name}: {source} (for {target}) does not exist"
+    prom = _bind_mounts(svc["prometheus"])
+    assert prom["/etc/prometheus/prometheus.yml"] == PROMETHEUS
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    for rule_file in config.get("rule_files", []):
+        in_container = str(Path("/etc/prometheus", rule_file))
+        assert in_container in prom, f"rule file {rule_file} is not mounted"
+        assert prom[in_container] == (PROMETHEUS.parent / rule_file).resolve()
+    graf = _bind_mounts(svc["grafana"])
+    provisioning = graf["/etc/grafana/provisioning"]
+    assert provisioning == (DEPLOY / "grafana" / "provisioning").resolve()
+    for provider_file in DASHBOARD_PROVIDERS.glob("*.yml"):
+        for provider in yaml.safe_load(provider_file.read_text())["providers"]:
+            path = provider["options"]["path"]
+            assert path in graf, f"dashboard provider path {path} is not mounted"
+            assert (graf[path] / DASHBOARD.name).is_file()
+    ds = yaml.safe_load(next(DATASOURCES.glob("*.yml")).read_text())["datasources"][0]
+    assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090"
+    assert [p for _, p in published(svc["prometheus"])] == [9090]
+    assert published(svc["grafana"]) == [(3000, 3000)]
+
+
+# ================================================================== Dockerfiles
+
+
+DOCKERFILES = {"allocator": Settings, "worker-cpu": WorkerSettings, "worker-gpu": WorkerSettings}
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_runs_as_non_root_exposes_its_ports_and_checks_health(image):
+    path = DEPLOY / "docker" / f"{image}.Dockerfile"
+    stages = dockerfile_stages(path)
+    cmd = exec_form(final(stages, "CMD")[-1])
+    assert settings_class(cmd) is DOCKERFILES[image]
+    settings = settings_of(cmd, stages[-1].env)
+    user = final(stages, "USER")[-1].split(":")[0]
+    assert user not in ("root", "0"), f"{image} runs as root"
+    exposed = {int(p) for e in final(stages, "EXPOSE") for p in e.split()}
+    assert exposed == {settings.port, settings.metrics_port}
+    assert health_port(healthcheck_argv(final(stages, "HEALTHCHECK")[-1])) == settings.port
+    assert settings.host == "0.0.0.0", f"{image} listens on {settings.host} only"
+
+
+def _makefile_protoc() -> str:
+    line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if "grpc_tools.protoc" in ln)
+    return line.split("grpc_tools.protoc", 1)[1].replace("$(PROTOS)", "").strip()
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_generates_the_protobuf_code_and_installs_the_right_extras(image):
+    stages = dockerfile_stages(DEPLOY / "docker" / f"{image}.Dockerfile")
+    runs = [rest for st in stages for w, rest in st.instructions if w == "RUN"]
+    protoc = [r for r in runs if "grpc_tools.protoc" in r]
+    assert protoc, f"{image}: kvservice/v1 is not generated"
+    assert _makefile_protoc() in protoc[0], "the image's protoc flags differ from `make proto`"
+    assert "touch kvservice/v1/__init__.py" in protoc[0]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    torch_pin = next(d for d in pyproject["project"]["optional-dependencies"]["worker"] if d.startswith("torch"))
+    installs = " ".join(runs)
+    if image == "allocator":
+        assert "pip install ." in installs and "torch" not in installs
+        assert stages[-1].base == "python:3.11-slim"
+    elif image == "worker-cpu":
+        cpu_torch = f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu"
+        assert cpu_torch in installs
+        assert installs.index(cpu_torch) < installs.index('pip install ".[worker]"'), "CPU torch must come first"
+        assert stages[-1].base == "python:3.11-slim"
+    else:
+        assert f"pip install {torch_pin} --index-url" in installs
+        assert 'pip install ".[worker,cuda]"' in installs
+        base = next(st.base for st in stages if st.name == stages[-1].base)
+        assert base.startswith("nvidia/cuda:12.") and "runtime" in base
+        assert "python3.11" in installs
+    assert pyproject["project"]["requires-python"] == ">=3.11"
+
+
+def test_dockerignore_keeps_out_the_venv_and_git_but_not_what_the_images_copy():
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path, p.removeprefix("**/")) for p in patterns)
+
+    assert ignored(".venv") and ignored(".git") and ignored(".pytest_cache") and ignored("__pycache__")
+    for path in sorted((DEPLOY / "docker").glob("*.Dockerfile")):
+        for st in dockerfile_stages(path):
+            for w, rest in st.instructions:
+                if w == "COPY" and not rest.startswith("--from"):
+                    for source in rest.split()[:-1]:
+                        assert not ignored(source), f"{path.name} copies {source}, which .dockerignore drops"
+                        assert (ROOT / source).exists(), f"{path.name} copies {source}, which does not exist"
+
+
+# ================================================================== Prometheus
+
+
+def test_scrape_jobs_name_the_compose_services_and_their_metrics_ports():
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    jobs = {j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]] for j in config["scrape_configs"]}
+    assert set(jobs) == JOBS
+    assert config["global"]["scrape_interval"] in ("5s", "15s")
+    svc = services()
+    role = {"kvservice-allocator": Settings, "kvservice-worker": WorkerSettings}
+    for job, targets in jobs.items():
+        covered = set()
+        for target in targets:
+            host, port = target.rsplit(":", 1)
+            matched = [n for n, s in svc.items() if host in network_names(n, s)]
+            assert matched, f"{job}: {host} is no compose service or alias"
+            for name in matched:
+                assert settings_class(_command(name, svc[name])) is role[job], f"{job} scrapes {name}"
+                assert _settings(name, svc[name]).metrics_port == int(port), f"{job}: {name} serves metrics elsewhere"
+            covered.update(matched)
+        expected = {n for n, s in svc.items() if _command(n, s) and settings_class(_command(n, s)) is role[job]}
+        assert covered == expected, f"{job} misses {expected - covered}"
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess:
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (.ci/run installs Debian's prometheus package, which has it)")
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_promtool_accepts_the_prometheus_configuration_and_its_rules():
+    out = _promtool("check", "config", str(PROMETHEUS))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 rule files found" in out.stdout + out.stderr
+    out = _promtool("check", "rules", str(RULES))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_rules_name_only_catalogue_metrics():
+    exprs = rule_exprs()
+    assert len(exprs) >= 5
+    for where, expr in exprs:
+        assert not promql_problems(expr), f"rule {where}: {promql_problems(expr)}"
+
+
+# ================================================================== Grafana dashboard
+
+
+def test_every_dashboard_query_parses_and_names_catalogue_metrics():
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    for where, expr in exprs:
+        assert not promql_problems(expr), f"{where}: {expr}\n{promql_problems(expr)}"
+
+
+@pytest.mark.parametrize("expr", [
+    "sum by (pool) (kvservice_pool_evictions)",                                   # no _total
+    "sum by (pool) (rate(kvservice_pool_evictions_totl[5m]))",
+    "histogram_quantile(0.99, sum by (le) (rate(kvservice_rpc_duration_seconds[5m])))",  # not _bucket
+    "sum(kvservice_pool_usage_ratio) / on() group_left sum(kvservice_no_such_metric)",
+    "-(kvservice_no_such_metric)",
+    "max_over_time(kvservice_no_such_metric[5m:1m])",
+    "topk(scalar(kvservice_no_such_metric), kvservice_redis_up)",
+    'count({__name__="kvservice_no_such_metric"})',
+    'sum by (pool) (kvservice_pool_usage_ratio{nopool="x"})',                       # unknown label
+    "sum by (method) (kvservice_pool_usage_ratio)",                               # groups by a missing label
+    "kvservice_pool_usage_ratio",                                                  # pool series, not summed
+    "sum by (pool, instance) (kvservice_pool_usage_ratio)",                       # per replica: doubles
+    "sum(rate(kvservice_pool_evictions_total[$pool]))",                           # does not parse
+    "label_values(kvservice_pool_capacity, pool)",
+    "label_values(kvservice_pool_capacity_blocks, kernel)",
+])
+def test_the_promql_checker_catches_a_wrong_query(expr):
+    assert promql_problems(expr), f"the checker accepts {expr!r}"
+
+
+def test_the_promql_checker_accepts_good_queries_and_sees_every_selector():
+    good = ['sum by (pool) (rate(kvservice_pool_evictions_total{pool=~"$pool"}[$__rate_interval]))',
+            "histogram_quantile(0.99, sum by (le, method) (rate(kvservice_rpc_duration_seconds_bucket[5m])))",
+            "max by (pool) (kvservice_pool_heartbeat_age_seconds)",
+            "label_values(kvservice_pool_capacity_blocks, pool)"]
+    for expr in good:
+        assert not promql_problems(expr), (expr, promql_problems(expr))
+    # The checker's own walk finds every selector that promql_parser's walk finds.
+    for _, expr in dashboard_exprs() + rule_exprs():
+        if not expr.startswith("label_values"):
+            ours = {selector_name(vs) for vs, _ in selectors(promql_parser.parse(grafana_to_promql(expr)))}
+            assert ours == library_selector_names(expr), expr
+
+
+def test_dashboard_shows_what_operators_need():
+    text = " ".join(expr for _, expr in dashboard_exprs())
+    for metric in ("kvservice_pool_usage_ratio", "kvservice_pool_free_blocks", "kvservice_pool_evictable_blocks",
+                   "kvservice_pool_used_blocks", "kvservice_pool_prefix_hit_tokens_total",
+                   "kvservice_pool_prefix_queried_tokens_total", "kvservice_pool_evictions_total",
+                   "kvservice_pool_cow_copies_total", "kvservice_pool_allocation_failures_total",
+                   "kvservice_rpc_duration_seconds_bucket", "kvservice_script_duration_seconds_bucket",
+                   "kvservice_worker_kernel_duration_seconds_bucket", "kvservice_pool_leases_expired_total",
+                   "kvservice_pool_sequences_reaped_total", "kvservice_worker_pool_bytes"):
+        assert metric in text, f"no panel shows {metric}"
+    for quantile in ("0.5", "0.99"):
+        assert f"histogram_quantile({quantile}, sum by (le, method) (rate(kvservice_rpc_duration_seconds_bucket" in text
+        assert f"histogram_quantile({quantile}, sum by (le, kernel" in text
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    query = variables["pool"]["query"]
+    assert (query["query"] if isinstance(query, dict) else query) == "label_values(kvservice_pool_capacity_blocks, pool)"
+    stacked = [p for p in dashboard_panels()
+               if p.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("stacking", {}).get("mode") == "normal"]
+    assert any({"kvservice_pool_free_blocks", "kvservice_pool_evictable_blocks", "kvservice_pool_used_blocks"}
+               <= {n for t in p["targets"] for n in re.findall(r"kvservice_\w+", t["expr"])} for p in stacked)
+
+
+def test_every_panel_uses_the_provisioned_data_source_and_has_a_unique_id():
+    uid = provisioned_uid()
+    panels = dashboard_panels()
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {sorted(i for i in ids if ids.count(i) > 1)}"
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": uid}, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t.get("datasource", p["datasource"])["uid"] == uid, p["title"]
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] == "query":
+            assert var["datasource"]["uid"] == uid, var["name"]
+
+
+# ================================================================== Kubernetes
+
+
+def test_k8s_manifests_parse_and_hold_every_kind():
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in k8s_documents())
+    assert kinds == sorted([
+        ("Namespace", "kvservice"), ("Service", "redis"), ("StatefulSet", "redis"),
+        ("Service", "allocator"), ("Deployment", "allocator"), ("Service", "worker"), ("StatefulSet", "worker"),
+        ("ServiceMonitor", "kvservice-allocator"), ("ServiceMonitor", "kvservice-worker"),
+        ("ConfigMap", "kvservice-prometheus"), ("ConfigMap", "kvservice-grafana-datasource")])
+    for d in k8s_documents():
+        assert d["apiVersion"], d["metadata"]["name"]
+
+
+def test_kustomizations_list_every_manifest_and_generate_the_dashboard_from_the_shipped_file():
+    base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(base["resources"]) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    top = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert top["resources"] == ["k8s"] and top["namespace"] == base["namespace"] == "kvservice"
+    (gen,) = top["configMapGenerator"]
+    (file,) = gen["files"]
+    assert (DEPLOY / file).resolve() == DASHBOARD.resolve()
+    assert gen["options"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_kustomize_build_carries_the_shipped_dashboard():
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: `kubectl kustomize deploy` cannot run")
+    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert len(docs) == len(k8s_documents()) + 1
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvservice-grafana-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["data"][DASHBOARD.name] == DASHBOARD.read_text()
+    for d in docs:
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == "kvservice", d["metadata"]["name"]
+
+
+def test_k8s_images_are_the_compose_images():
+    def container(kind: str, name: str) -> dict:
+        return one(kind, name)["spec"]["template"]["spec"]["containers"][0]
+
+    svc = services()
+    assert container("Deployment", "allocator")["image"] == svc["allocator"]["image"]
+    assert container("StatefulSet", "worker")["image"] == svc["worker-gpu-0"]["image"] == svc["worker-gpu-1"]["image"]
+    assert container("StatefulSet", "redis")["image"] == svc["redis"]["image"]
+
+
+def _k8s_env(container: dict, pod_name: str, namespace: str = "kvservice") -> dict[str, str]:
+    """The container's environment as the kubelet would set it: the downward API's pod
+    name and namespace, ``$(VAR)`` references expanded."""
+    fields = {"metadata.name": pod_name, "metadata.namespace": namespace}
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(e["value"]))
+        else:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def _ports(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def _grpc_probes(container: dict) -> list[dict]:
+    probes = [container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in container]
+    assert {"readinessProbe", "livenessProbe"} <= set(container), container["name"]
+    return probes
+
+
+def test_allocator_deployment_runs_two_replicas_with_grpc_probes_on_its_port():
+    deployment = one("Deployment", "allocator")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    argv = container.get("command", []) + container.get("args", [])
+    settings = settings_of(argv, _k8s_env(container, "allocator-abc"))
+    assert settings.redis_url == "redis://redis:6379/0" and settings.host == "0.0.0.0"
+    ports = _ports(container)
+    assert ports == {"grpc": settings.port, "metrics": settings.metrics_port}
+    for probe in _grpc_probes(container):
+        assert probe["grpc"]["port"] == ports["grpc"]
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == settings.metrics_port
+    service = one("Service", "allocator")
+    assert {p["port"] for p in service["spec"]["ports"]} == {settings.port, settings.metrics_port}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_worker_statefulset_takes_its_pool_id_from_the_pod_name_and_reserves_a_gpu():
+    sts = one("StatefulSet", "worker")
+    assert sts["spec"]["replicas"] == 2
+    service = one("Service", sts["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    pod = sts["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    argv = container.get("command", []) + container.get("args", [])
+    pool_ids = {e["name"]: e for e in container["env"]}["KVSERVICE_WORKER_POOL_ID"]
+    assert pool_ids["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    for i in range(sts["spec"]["replicas"]):
+        pod_name = f"{sts['metadata']['name']}-{i}"
+        ws = settings_of(argv, _k8s_env(container, pod_name))
+        assert ws.pool_id == pod_name
+        assert ws.advertise == f"{pod_name}.{service['metadata']['name']}.kvservice.svc:{ws.port}"
+        assert ws.device.startswith("cuda")
+        assert ws.allocator == "allocator:50051"
+        ports = _ports(container)
+        assert ports == {"grpc": ws.port, "metrics": ws.metrics_port}
+        assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ws.metrics_port
+    for probe in _grpc_probes(container):
+        assert probe["grpc"]["port"] == _ports(container)["grpc"]
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert {p["port"] for p in service["spec"]["ports"]} == set(_ports(container).values())
+
+
+def test_redis_statefulset_is_durable_and_reachable_where_the_allocator_looks():
+    sts = one("StatefulSet", "redis")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    flags = _flag_pairs(container["args"])
+    assert flags["--appendonly"] == "yes" and flags["--maxmemory-policy"] == "noeviction"
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in container["volumeMounts"]
+    service = one("Service", "redis")
+    assert [p["port"] for p in service["spec"]["ports"]] == [6379]
+    allocator = one("Deployment", "allocator")["spec"]["template"]["spec"]["containers"][0]
+    url = _k8s_env(allocator, "allocator-abc")["KVSERVICE_REDIS_URL"]
+    assert url.startswith(f"redis://{service['metadata']['name']}:6379/")
+
+
+def _services_selected(selector: dict) -> list[dict]:
+    return [s for s in k8s("Service") if selector.items() <= s["metadata"].get("labels", {}).items()]
+
+
+def test_service_monitors_name_ports_that_their_services_define():
+    monitors = k8s("ServiceMonitor")
+    assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"}
+    jobs = set()
+    for monitor in monitors:
+        spec = monitor["spec"]
+        selected = _services_selected(spec["selector"]["matchLabels"])
+        assert len(selected) == 1, f"{monitor['metadata']['name']} selects {len(selected)} services"
+        service = selected[0]
+        names = {p["name"]: p for p in service["spec"]["ports"]}
+        for endpoint in spec["endpoints"]:
+            assert endpoint["port"] in names, f"{service['metadata']['name']} has no port {endpoint['port']}"
+            port = names[endpoint["port"]]["port"]
+            assert port in (Settings().metrics_port, WorkerSettings().metrics_port)
+        jobs.add(service["metadata"]["labels"][spec["jobLabel"]])
+    assert jobs == JOBS
+
+
+def test_k8s_scrape_config_keeps_the_pods_of_each_job_and_passes_promtool(tmp_path):
+    config = yaml.safe_load(one("ConfigMap", "kvservice-prometheus")["data"]["prometheus.yml"])
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == JOBS
+    pod_labels = {one(kind, name)["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+                  for kind, name in (("Deployment", "allocator"), ("StatefulSet", "worker"))}
+    for job, cfg in jobs.items():
+        keep = [r for r in cfg["relabel_configs"] if r.get("action") == "keep"
+                and r["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]]
+        assert [r["regex"] for r in keep] == [job] and job in pod_labels
+        assert [sd["role"] for sd in cfg["kubernetes_sd_configs"]] == ["pod"]
+        assert cfg["kubernetes_sd_configs"][0]["namespaces"]["names"] == ["kvservice"]
+        # Debian's promtool is built without Kubernetes discovery: a static target stands
+        # in for it, and promtool checks the rest (relabelling regexes included).
+        del cfg["kubernetes_sd_configs"]
+        cfg["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    out = _promtool("check", "config", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_grafana_datasource_config_map_provides_the_dashboard_uid():
+    cm = one("ConfigMap", "kvservice-grafana-datasource")
+    assert cm["metadata"]["labels"]["grafana_datasource"] == "1"
+    (content,) = cm["data"].values()
+    (ds,) = yaml.safe_load(content)["datasources"]
+    assert ds["uid"] == provisioned_uid() and ds["type"] == "prometheus"
+
+
+# ================================================================== docs
+
+
+def test_operations_doc_lists_every_catalogue_metric_with_its_type_and_labels():
+    rows = {}
+    for line in OPERATIONS.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells and re.fullmatch(r"`kvservice_\w+`", cells[0]):
+            rows[cells[0].strip("`")] = cells
+    for m in CATALOGUE:
+        assert m.name in rows, f"docs/operations.md does not list {m.name}"
+        _, kind, labels, *_ = rows[m.name]
+        assert kind == m.kind, f"{m.name}: the doc says {kind}, the code {m.kind}"
+        assert re.findall(r"`(\w+)`", labels) == list(m.labels), f"{m.name}: labels {labels} vs {m.labels}"
+    assert set(rows) == {m.name for m in CATALOGUE}, f"the doc lists unknown metrics {set(rows) - {m.name for m in CATALOGUE}}"
+
+
+def test_operations_doc_queries_parse_and_name_catalogue_metrics():
+    blocks = re.findall(r"```promql\n(.*?)```", OPERATIONS.read_text(), re.DOTALL)
+    queries = [q for block in blocks for q in re.split(r"\n\s*\n", block)]
+    queries = [" ".join(ln for ln in q.splitlines() if not ln.lstrip().startswith("#")) for q in queries]
+    queries = [q for q in queries if q.strip()]
+    assert len(queries) >= 5
+    for q in queries:
+        assert not promql_problems(q), f"docs/operations.md: {q}\n{promql_problems(q)}"
