@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvservice/v1/*.proto)
 GEN := kvservice/v1/__init__.py
 
-.PHONY: install proto test demo up bench audit clean
+.PHONY: install proto test demo up bench audit study clean
 
 install: $(STAMP) $(GEN)
 
@@ -39,6 +39,11 @@ bench: install
 
 audit: install
 	$(VENV)/bin/kvservice audit
+
+# The memory study: simulated workloads under contiguous and paged allocation; writes
+# docs/memory-study.md and docs/img/memory-*.png.
+study: install
+	$(VENV)/bin/kvservice simulate --report
 
 clean:
 	rm -rf $(VENV) kvservice/v1 .pytest_cache .hypothesis

@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, up, audit, health, bench, demo."""
+"""``kvservice`` command line: serve, up, audit, health, bench, demo, simulate."""
 
 from __future__ import annotations
 
@@ -94,6 +94,12 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from kvservice.simulate.cli import main as simulate_main
+
+    return simulate_main(args)
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -176,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(shared prompts, parallel sampling); print a report")
     demo_arguments(p)
     p.set_defaults(func=_demo)
+
+    from kvservice.simulate.cli import add_arguments as simulate_arguments
+
+    p = sub.add_parser("simulate", help="simulate a serving engine's KV memory under contiguous and paged "
+                                        "policies (a trace-driven study); print where the memory goes")
+    simulate_arguments(p)
+    p.set_defaults(func=_simulate)
     return parser
 
 
