@@ -55,6 +55,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+
+def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not exited within ``timeout`` seconds; waits."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 class EmbeddedRedis:
     """A Redis server in a temporary directory, listening on a unix socket (and, if
     ``port`` is given, on 127.0.0.1:port), stopped on ``stop()`` or context exit.
@@ -122,13 +133,8 @@ class EmbeddedRedis:
             return ""
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, 5)
         if self.proc is not None and self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None

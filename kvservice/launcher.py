@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvservice.embedded import EmbeddedRedis
+from kvservice.embedded import EmbeddedRedis, terminate
 
 
 def write_port_file(path: str, port: int, extra: str, metrics_port: int) -> None:
@@ -102,13 +102,8 @@ class ServiceProcess:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            terminate(self.proc)
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None

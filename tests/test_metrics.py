@@ -6,7 +6,6 @@ counts, and every counter moves by exactly what the workload implies.
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from kvservice import errors
 from kvservice.client import Client
 from kvservice.engine import Engine, Request
 from kvservice.launcher import AllocatorProcess
-from kvservice.embedded import EmbeddedRedis
+from kvservice.embedded import EmbeddedRedis, terminate
 from kvservice.metrics import CATALOGUE, sample_names
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,13 +73,7 @@ class Up:
                                                                text, re.M)}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
 
 
 @pytest.fixture(scope="module")

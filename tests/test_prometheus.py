@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from kvservice.client import Client
+from kvservice.embedded import terminate
 from kvservice.engine import Engine, Request
 from kvservice.launcher import Stack
 
@@ -110,13 +111,7 @@ class Prometheus:
             return exc
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 15)
 
 
 def local_config(stack: Stack, path: Path) -> Path:
