@@ -68,6 +68,27 @@ __device__ __forceinline__ int pa_find_sequence(const int* __restrict__ query_st
     return lo;
 }
 
+// Loads this lane's 16-byte vectors of tile rows t0 + u * TPS + tg (u < UNROLL) of one
+// K or V tile into registers, all loads in flight at once. Rows >= n (past the tokens
+// of the block) are never read: they are zero.
+template <int UNROLL, int NV, int TPS, int LPT, int VEC, int HEAD_DIM, class S>
+__device__ __forceinline__ void pa_load_rows(kv_u128 (&regs)[UNROLL][NV], const S* __restrict__ tile,
+                                             int t0, int n, int tg, int li) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int t = t0 + u * TPS + tg;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+            if (t < n) {
+                regs[u][v] = *reinterpret_cast<const kv_u128*>(
+                    tile + static_cast<long long>(t) * HEAD_DIM + (li + v * LPT) * VEC);
+            } else {
+                regs[u][v].x = regs[u][v].y = regs[u][v].z = regs[u][v].w = 0u;
+            }
+        }
+    }
+}
+
 template <class T, int HEAD_DIM, int ROWS>
 __global__ void __launch_bounds__(PA_THREADS)
 paged_attention_kernel(typename KVType<T>::storage* __restrict__ out,       // [tokens, heads, D]
@@ -178,19 +199,7 @@ paged_attention_kernel(typename KVType<T>::storage* __restrict__ out,       // [
         // 1. scores
         for (int t0 = 0; t0 < n; t0 += TPS * UNROLL) {
             kv_u128 kr[UNROLL][NV];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int t = t0 + u * TPS + tg;
-#pragma unroll
-                for (int v = 0; v < NV; ++v) {
-                    if (t < n) {
-                        kr[u][v] = *reinterpret_cast<const kv_u128*>(
-                            kt + static_cast<long long>(t) * HEAD_DIM + (li + v * LPT) * VEC);
-                    } else {
-                        kr[u][v].x = kr[u][v].y = kr[u][v].z = kr[u][v].w = 0u;
-                    }
-                }
-            }
+            pa_load_rows<UNROLL, NV, TPS, LPT, VEC, HEAD_DIM>(kr, kt, t0, n, tg, li);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = t0 + u * TPS + tg;
@@ -245,19 +254,7 @@ paged_attention_kernel(typename KVType<T>::storage* __restrict__ out,       // [
         // 3. values
         for (int t0 = 0; t0 < n; t0 += TPS * UNROLL) {
             kv_u128 vr[UNROLL][NV];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int t = t0 + u * TPS + tg;
-#pragma unroll
-                for (int v = 0; v < NV; ++v) {
-                    if (t < n) {
-                        vr[u][v] = *reinterpret_cast<const kv_u128*>(
-                            vt + static_cast<long long>(t) * HEAD_DIM + (li + v * LPT) * VEC);
-                    } else {
-                        vr[u][v].x = vr[u][v].y = vr[u][v].z = vr[u][v].w = 0u;
-                    }
-                }
-            }
+            pa_load_rows<UNROLL, NV, TPS, LPT, VEC, HEAD_DIM>(vr, vt, t0, n, tg, li);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = t0 + u * TPS + tg;
