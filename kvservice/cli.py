@@ -9,11 +9,11 @@ import logging
 import os
 import sys
 
-from kvservice.config import Settings
+from kvservice.allocator.config import Settings
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvservice.server import serve
+    from kvservice.allocator.server import serve
 
     try:
         settings = Settings.from_args(args)
@@ -27,9 +27,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from kvservice.allocator import Allocator
-    from kvservice.servicer import run_audit
-    from kvservice.store import Store, connect
+    from kvservice.allocator.core import Allocator
+    from kvservice.allocator.audit import run_audit
+    from kvservice.allocator.store import Store, connect
 
     url = args.redis_url or os.environ.get("KVSERVICE_REDIS_URL", "")
     if not url:
@@ -83,13 +83,13 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvservice.bench import main as bench_main
+    from kvservice.tools.bench import main as bench_main
 
     return bench_main(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvservice.demo import main as demo_main
+    from kvservice.engine.demo import main as demo_main
 
     return demo_main(args)
 
@@ -104,7 +104,7 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvservice.launcher import Stack
+    from kvservice.tools.launcher import Stack
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per worker (overrides --kv-memory)")
     p.set_defaults(func=_up)
 
-    from kvservice.demo import add_arguments as demo_arguments
+    from kvservice.engine.demo import add_arguments as demo_arguments
 
     p = sub.add_parser("demo", help="start a local stack and run a batch of requests through the engine "
                                     "(shared prompts, parallel sampling); print a report")

@@ -34,10 +34,10 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from kvservice import errors
+from kvservice.common.geometry import Geometry
+from kvservice.common.grpc import RETRYABLE
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
-
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,8 +346,7 @@ class Client:
     def register_pool(self, pool_id: str, *, num_blocks: int, block_size: int = 16, num_layers: int = 1,
                       num_kv_heads: int = 1, head_dim: int = 64, dtype: str = "float16",
                       worker_address: str = "") -> pb.Pool:
-        geometry = pb.PoolGeometry(num_blocks=num_blocks, block_size=block_size, num_layers=num_layers,
-                                   num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+        geometry = Geometry(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype).to_pb()
         return self._call(self.stub.RegisterPool, pb.RegisterPoolRequest(
             pool_id=pool_id, geometry=geometry, worker_address=worker_address, request_id=_request_id()))
 

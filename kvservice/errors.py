@@ -1,7 +1,7 @@
 """Domain exceptions shared by the allocator service and the client SDK.
 
 Domain code raises these; one server interceptor turns them into gRPC status codes
-(`kvservice.interceptor`), and the SDK turns status codes back into them, so a caller
+(`kvservice.common.interceptor`), and the SDK turns status codes back into them, so a caller
 catches `kvservice.errors.ResourceExhausted` whichever side it is on.
 """
 

@@ -6,7 +6,7 @@ import redis
 import pytest
 
 from kvservice.client import Client
-from kvservice.embedded import EmbeddedRedis, available_flavors
+from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
 
 from helpers import ServerThread
 

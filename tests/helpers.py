@@ -6,11 +6,11 @@ import asyncio
 import threading
 from typing import Any
 
-from kvservice.allocator import Allocator
-from kvservice.config import Settings
-from kvservice.server import create_server, reaper
-from kvservice.servicer import run_audit
-from kvservice.store import Store, connect
+from kvservice.allocator.core import Allocator
+from kvservice.allocator.config import Settings
+from kvservice.allocator.server import create_server, reaper
+from kvservice.allocator.audit import run_audit
+from kvservice.allocator.store import Store, connect
 
 TEST_SETTINGS = Settings(reap_interval=0.05, request_ttl=60.0)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import redis
 
-from kvservice import keys
+from kvservice.allocator import keys
 from kvservice.client import Client
 
 from helpers import ServerThread, audit

@@ -28,8 +28,8 @@ import redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from kvservice.config import Settings
-from kvservice.embedded import EmbeddedRedis
+from kvservice.allocator.config import Settings
+from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 

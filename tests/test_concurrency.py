@@ -207,7 +207,7 @@ def worker_main(args: dict) -> None:
 
 
 def test_two_replicas_eight_client_processes_random_ops(redis_url, tmp_path):
-    from kvservice.launcher import AllocatorProcess
+    from kvservice.tools.launcher import AllocatorProcess
 
     from helpers import audit, stats
 

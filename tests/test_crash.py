@@ -18,7 +18,7 @@ import pytest
 
 from kvservice import errors
 from kvservice.client import Client
-from kvservice.launcher import AllocatorProcess
+from kvservice.tools.launcher import AllocatorProcess
 from kvservice.v1 import allocator_pb2 as pb
 
 from helpers import audit, stats

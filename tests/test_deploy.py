@@ -5,7 +5,7 @@ and the metric table of docs/operations.md.
 Nothing here needs Docker or a network: the files are parsed, every command is parsed by
 the project's own argument parsers, every ``KVSERVICE_*`` variable must be a settings
 field whose value the settings accept, every port must be the one the settings use, and
-every PromQL expression must parse and name only metrics of ``kvservice.metrics.CATALOGUE``.
+every PromQL expression must parse and name only metrics of ``kvservice.common.metrics.CATALOGUE``.
 ``promtool`` and ``kubectl kustomize`` run where they are installed.
 """
 
@@ -29,8 +29,8 @@ import promql_parser
 import pytest
 import yaml
 
-from kvservice.config import Settings
-from kvservice.metrics import CATALOGUE, sample_names
+from kvservice.allocator.config import Settings
+from kvservice.common.metrics import CATALOGUE, sample_names
 from worker.config import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +325,7 @@ def promql_problems(expr: str) -> list[str]:
             problems.append(f"a selector without a metric name: {vs}")
             continue
         if name not in SAMPLES:
-            problems.append(f"{name} is exported by no code (not in kvservice.metrics.CATALOGUE)")
+            problems.append(f"{name} is exported by no code (not in kvservice.common.metrics.CATALOGUE)")
             continue
         for matcher in vs.matchers.matchers:
             if matcher.name != "__name__" and matcher.name not in SAMPLE_LABELS[name] | TARGET_LABELS:

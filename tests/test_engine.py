@@ -17,7 +17,7 @@ import torch
 
 from kvservice.client import Client
 from kvservice.engine import Engine, Request
-from kvservice.launcher import Stack
+from kvservice.tools.launcher import Stack
 from worker.model import build_model
 
 MODEL, SEED, BS = "tiny-llama", 0, 16

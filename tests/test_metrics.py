@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvservice import errors
 from kvservice.client import Client
 from kvservice.engine import Engine, Request
-from kvservice.launcher import AllocatorProcess
-from kvservice.embedded import EmbeddedRedis, terminate
-from kvservice.metrics import CATALOGUE, sample_names
+from kvservice.tools.launcher import AllocatorProcess
+from kvservice.allocator.embedded import EmbeddedRedis, terminate
+from kvservice.common.metrics import CATALOGUE, sample_names
 
 pytestmark = pytest.mark.timeout(300)
 NUM_BLOCKS, BS, LAYERS = 64, 16, 2   # tiny-llama has 2 layers

@@ -31,9 +31,9 @@ import pytest
 import yaml
 
 from kvservice.client import Client
-from kvservice.embedded import terminate
+from kvservice.allocator.embedded import terminate
 from kvservice.engine import Engine, Request
-from kvservice.launcher import Stack
+from kvservice.tools.launcher import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"

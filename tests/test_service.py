@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvservice.client import Client
-from kvservice.embedded import EmbeddedRedis, available_flavors
-from kvservice.launcher import AllocatorProcess
+from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
+from kvservice.tools.launcher import AllocatorProcess
 
 
 def test_serve_without_redis_url_starts_and_stops_a_private_redis():

@@ -58,7 +58,8 @@ from hypothesis import event as _event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvservice import errors, hashing, keys
+from kvservice import errors
+from kvservice.allocator import hashing, keys
 from kvservice.client import Client
 
 from helpers import ServerThread, audit

@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from kvservice.client import Client
-from kvservice.embedded import free_port
-from kvservice.launcher import AllocatorProcess, WorkerProcess
+from kvservice.allocator.embedded import free_port
+from kvservice.tools.launcher import AllocatorProcess, WorkerProcess
 from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
 

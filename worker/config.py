@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvservice.config import EnvSettings
+from kvservice.common.geometry import check_dims
+from kvservice.common.settings import (EnvSettings, check_block_size, check_in_range, check_pool_id, check_ports,
+                                      check_positive)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: The presets of worker/model.py (kept here so that checking flags needs no torch).
@@ -56,33 +57,22 @@ class WorkerSettings(EnvSettings):
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in -1..65535 (-1: off), got {self.metrics_port}")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.pool_id):
-            raise ValueError(f"malformed pool_id {self.pool_id!r} (letters, digits, _ . -; at most 64)")
+        check_ports(self)
+        check_pool_id(self.pool_id)
         parse_memory(self.kv_memory)
         if self.num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
-        bs = self.block_size
-        if not (1 <= bs <= 256 and bs & (bs - 1) == 0):
-            raise ValueError(f"block_size must be a power of two in 1..256, got {bs}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            if not 1 <= getattr(self, name) <= 4096:
-                raise ValueError(f"{name} must be in 1..4096, got {getattr(self, name)}")
+        check_block_size(self.block_size)
+        check_dims(self.num_layers, self.num_kv_heads, self.head_dim)
         if self.model and self.model not in MODEL_NAMES:
             raise ValueError(f"model must be one of {', '.join(MODEL_NAMES)} (or empty), got {self.model!r}")
-        if not 0 <= self.model_seed < 2**63:
-            raise ValueError(f"model_seed must be in 0..2**63-1, got {self.model_seed}")
+        check_in_range("model_seed", self.model_seed, 0, 2**63 - 1)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:<n>, got {self.device!r}")
-        if not (math.isfinite(self.heartbeat_interval) and self.heartbeat_interval > 0):
-            raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
-        if not (math.isfinite(self.register_timeout) and self.register_timeout >= 0):
-            raise ValueError(f"register_timeout must be >= 0, got {self.register_timeout}")
+        check_positive(self, "heartbeat_interval")
+        check_positive(self, "register_timeout", allow_zero=True)
 
 
 def parse_memory(text: str) -> tuple[int, float]:

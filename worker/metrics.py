@@ -1,6 +1,6 @@
 """A worker's Prometheus metrics: RPC latency, kernel latency, pool size, tokens computed.
 
-The names come from ``kvservice.metrics.CATALOGUE``. Kernels are timed by ``TimedBackend``,
+The names come from ``kvservice.common.metrics.CATALOGUE``. Kernels are timed by ``TimedBackend``,
 a wrapper around the pool's backend: wall time around each call on the CPU; on a GPU a
 pair of CUDA events around the launch, read back once the events have completed (no
 synchronisation is added to the data path).
@@ -16,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from kvservice.metrics import KERNEL_BUCKETS, RPC_BUCKETS, MetricsInterceptor, family, histogram
+from kvservice.common.metrics import KERNEL_BUCKETS, RPC_BUCKETS, MetricsInterceptor, family, histogram
 from worker.pool import KVPool
 
 KERNELS = ("reshape_and_cache", "paged_attention", "copy_blocks")

@@ -94,7 +94,7 @@ class StepSequence:
 
 
 @dataclass(slots=True)
-class StepResult:
+class ForwardResult:
     """``next_tokens``: one per sequence; ``logits``: float32 ``[num_seqs, vocab]`` of
     each sequence's last new token."""
 
@@ -185,14 +185,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------ the step
 
-    def step(self, copies: list[tuple[int, int]], sequences: list[StepSequence]) -> StepResult:
+    def step(self, copies: list[tuple[int, int]], sequences: list[StepSequence]) -> ForwardResult:
         """Checks the step, applies ``copies`` (copy-on-write, all layers), runs the model
         over the new tokens and samples each sequence's next token."""
         self.check(copies, sequences)
         self.pool.copy(copies)
         logits = self.forward(sequences)
         self.num_tokens += sum(len(seq.token_ids) for seq in sequences)
-        return StepResult(self.sample(logits, sequences), logits)
+        return ForwardResult(self.sample(logits, sequences), logits)
 
     def forward(self, sequences: list[StepSequence]) -> torch.Tensor:
         """The model over the sequences' new tokens, writing their K/V into the pool.

@@ -16,9 +16,11 @@ import torch
 
 from kernels.backend import KVBackend, get_backend
 from kvservice import errors
+from kvservice.common.geometry import MAX_NUM_BLOCKS, Geometry
+from worker import tensors
 
 log = logging.getLogger(__name__)
-MAX_BLOCKS = 1 << 24        # the allocator's limit per pool
+MAX_BLOCKS = MAX_NUM_BLOCKS   # the allocator's limit per pool
 MAX_SPLITS = 1024
 
 
@@ -41,6 +43,12 @@ class PoolShape:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def geometry(self) -> Geometry:
+        """The geometry as the allocator knows it (``to_pb()`` for the wire)."""
+        return Geometry(self.num_blocks, self.block_size, self.num_layers, self.num_kv_heads, self.head_dim,
+                        tensors.NAMES[self.dtype])
 
 
 def check_block_table(shape: PoolShape, table: list[int], ctx: int, context: str, name: str) -> None:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from kernels.backend import cuda_available
-from kvservice.interceptor import ErrorInterceptor
-from kvservice.launcher import write_port_file
-from kvservice.metrics import MetricsServer
+from kvservice.common import grpc as common_grpc
+from kvservice.common.grpc import RETRYABLE, build_server, write_port_file
+from kvservice.common.interceptor import ErrorInterceptor
+from kvservice.common.metrics import MetricsServer
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker import tensors
 from worker.config import WorkerSettings, parse_memory
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 MAX_MESSAGE = 512 << 20
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class PoolTakenOver(RuntimeError):
@@ -122,26 +121,14 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor)
-    server = grpc.aio.server(interceptors=interceptors,
-                             options=[("grpc.max_receive_message_length", MAX_MESSAGE),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE),
-                                      ("grpc.so_reuseport", 0)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(pool, pool_id, allocator, runner), server)
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
-    return server, port, health_servicer
+    servicer = WorkerServicer(pool, pool_id, allocator, runner)
+    return await build_server(address, [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)], [SERVICE_NAME],
+                              interceptors=interceptors, max_message=MAX_MESSAGE, serving=False)
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, status)
+    """Marks the Worker service (and the server) SERVING or NOT_SERVING."""
+    await common_grpc.set_serving(health_servicer, serving, [SERVICE_NAME])
 
 
 class Registrar:
@@ -160,9 +147,7 @@ class Registrar:
         s = self.pool.shape
         request = allocator_pb2.RegisterPoolRequest(
             pool_id=self.pool_id, worker_address=self.address, request_id=uuid.uuid4().hex,
-            geometry=allocator_pb2.PoolGeometry(num_blocks=s.num_blocks, block_size=s.block_size,
-                                                num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
-                                                head_dim=s.head_dim, dtype=tensors.NAMES[s.dtype]))
+            geometry=s.geometry.to_pb())
         start, delay, attempts = time.monotonic(), 0.1, 0
         while True:
             attempts += 1

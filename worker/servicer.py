@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from kvservice import errors
-from kvservice.v1 import allocator_pb2, worker_pb2 as pb, worker_pb2_grpc as pb_grpc
+from kvservice.v1 import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.pool import KVPool
 
@@ -45,10 +45,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Describe(self, request: pb.DescribeWorkerRequest, context: Any) -> pb.WorkerInfo:
         s = self.pool.shape
-        geometry = allocator_pb2.PoolGeometry(num_blocks=s.num_blocks, block_size=s.block_size,
-                                              num_layers=s.num_layers, num_kv_heads=s.num_kv_heads,
-                                              head_dim=s.head_dim, dtype=tensors.NAMES[s.dtype])
-        info = pb.WorkerInfo(pool_id=self.pool_id, epoch=max(self.pool.epoch, 0), geometry=geometry,
+        info = pb.WorkerInfo(pool_id=self.pool_id, epoch=max(self.pool.epoch, 0), geometry=s.geometry.to_pb(),
                              device=str(self.pool.device), backend=self.pool.backend.name,
                              bytes_per_block=s.bytes_per_block, pool_bytes=self.pool.pool_bytes,
                              allocator=self.allocator)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from kvservice import errors
 from kvservice.client import Client
-from kvservice.launcher import AllocatorProcess
+from kvservice.tools.launcher import AllocatorProcess
 from kvservice.simulate.workload import output_token, tokens_so_far
 
 if TYPE_CHECKING:

@@ -9,17 +9,16 @@ import signal
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from kvservice.allocator import Allocator
-from kvservice.config import Settings
-from kvservice.embedded import EmbeddedRedis
-from kvservice.interceptor import ErrorInterceptor
-from kvservice.launcher import write_port_file
-from kvservice.metrics import AllocatorMetrics, MetricsServer
-from kvservice.servicer import AllocatorServicer, outcome_to_pb
-from kvservice.store import Store, connect
+from kvservice.allocator.config import Settings
+from kvservice.allocator.core import Allocator
+from kvservice.allocator.embedded import EmbeddedRedis
+from kvservice.allocator.metrics import AllocatorMetrics
+from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
+from kvservice.allocator.store import Store, connect
+from kvservice.common.grpc import build_server, write_port_file
+from kvservice.common.interceptor import ErrorInterceptor
+from kvservice.common.metrics import MetricsServer
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,26 +27,17 @@ SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["Allocator"].full_name
 
 async def create_server(allocator: Allocator, address: str,
                         metrics: AllocatorMetrics | None = None) -> tuple[grpc.aio.Server, int]:
-    """A started-on-demand aio server with the allocator, health and reflection services.
+    """A not-yet-started server with the allocator, health and reflection services.
 
-    Returns the server (not yet started) and the bound port (``address`` may end in ``:0``).
-    With ``metrics``, every call is timed into its RPC histogram.
+    Returns the server and the bound port (``address`` may end in ``:0``). With
+    ``metrics``, every call is timed into its RPC histogram.
     """
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(outcome_to_pb)]
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor)
-    server = grpc.aio.server(interceptors=interceptors,
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.so_reuseport", 0)])
-    allocator_pb2_grpc.add_AllocatorServicer_to_server(AllocatorServicer(allocator), server)
-    health_servicer = health.aio.HealthServicer()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    server, port, _ = await build_server(
+        address, [(allocator_pb2_grpc.add_AllocatorServicer_to_server, AllocatorServicer(allocator))],
+        [SERVICE_NAME], interceptors=interceptors)
     return server, port
 
 

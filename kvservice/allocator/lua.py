@@ -1,6 +1,6 @@
 """The Lua scripts that are the only writers of allocator state.
 
-Conventions (see ``kvservice.keys`` for the key layout):
+Conventions (see ``kvservice.allocator.keys`` for the key layout):
 
 - Pool scripts get the 13 pool keys as ``KEYS[1..13]`` and, where they are idempotent,
   the request key as ``KEYS[14]``; lease scripts get the lease's two keys.
@@ -1053,7 +1053,7 @@ return cjson.encode({pools = redis.call('SMEMBERS', K_POOLS)})
 """
 
 
-# Metrics: the exporter lease (see kvservice.metrics). Not allocator state.
+# Metrics: the exporter lease (see kvservice.common.metrics). Not allocator state.
 EXPORTER_CLAIM = r"""
 -- KEYS[1]: the exporter key. ARGV[1]: this replica's id; ARGV[2]: TTL in ms.
 -- Takes the lease if nobody holds it, renews it if this replica does.

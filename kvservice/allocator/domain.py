@@ -1,4 +1,7 @@
-"""Small result and request objects passed between the layers (no gRPC, no Redis)."""
+"""Small result and request objects passed between the allocator's layers (no gRPC, no Redis).
+
+The pool geometry is shared with the workers: ``kvservice.common.geometry``.
+"""
 
 from __future__ import annotations
 
@@ -7,42 +10,10 @@ from dataclasses import dataclass, field
 
 from kvservice import errors
 
-POOL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
 LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-DTYPES = ("float32", "float16", "bfloat16")
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """A pool's shape: ``num_blocks`` blocks of ``block_size`` slots in every layer."""
-
-    num_blocks: int
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    def check(self) -> None:
-        """Raises InvalidArgument naming the first bad field."""
-        if not 1 <= self.num_blocks <= 1 << 24:
-            raise errors.InvalidArgument(f"num_blocks must be in 1..{1 << 24}, got {self.num_blocks}")
-        bs = self.block_size
-        if not (1 <= bs <= 256 and bs & (bs - 1) == 0):
-            raise errors.InvalidArgument(f"block_size must be a power of two in 1..256, got {bs}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not 1 <= value <= 4096:
-                raise errors.InvalidArgument(f"{name} must be in 1..4096, got {value}")
-        if self.dtype not in DTYPES:
-            raise errors.InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def bytes_per_block(self) -> int:
-        size = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * size
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvservice import errors, keys, lua
+from kvservice import errors
+from kvservice.allocator import keys, lua
 
 #: Internal script codes that the allocator handles itself (never reach a client).
 STALE_EPOCH = "STALE_EPOCH"

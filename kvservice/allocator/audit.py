@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvservice.allocator.domain import PoolInfo
+from kvservice.common.settings import check_pool_id
+from kvservice.errors import InvalidArgument, NotFound
+
+if TYPE_CHECKING:
+    from kvservice.allocator.core import Allocator
 
 
 def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None = None) -> list[str]:
@@ -118,3 +125,24 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             if counts.get(name) != value:
                 bad(f"{name} reports {counts.get(name)} but the set holds {value}")
     return problems
+
+
+async def run_audit(allocator: Allocator, pool_id: str = "") -> tuple[list[str], list[PoolInfo]]:
+    """Audits one pool (or all); returns the problems and each pool's stats."""
+    if pool_id:
+        try:
+            check_pool_id(pool_id)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+    pools = [pool_id] if pool_id else await allocator.store.pool_ids()
+    problems: list[str] = []
+    infos: list[PoolInfo] = []
+    for p in pools:
+        snap = await allocator.store.snapshot(p)
+        if snap is None:
+            if pool_id:
+                raise NotFound(f"pool {pool_id} is not registered")
+            continue
+        problems += audit_pool(p, snap, snap["counts"])
+        infos.append(await allocator.describe_pool(p))
+    return problems, infos

@@ -16,7 +16,7 @@ import sys
 import time
 
 from kvservice.engine import Engine, Progress, Report, Request
-from kvservice.launcher import Stack
+from kvservice.tools.launcher import Stack
 
 VOCAB = 512   # tiny-llama's vocabulary
 

@@ -13,12 +13,14 @@ import secrets
 from collections import defaultdict
 from typing import Any
 
-from kvservice import errors, hashing, keys
-from kvservice.config import Settings
-from kvservice.model import (LEASE_ID, POOL_ID, REQUEST_ID, TENANT, Create, Geometry, LeaseInfo,
-                             PoolInfo, SeqDelta, SeqState, StepOutcome, Update,
-                             format_sequence_id, parse_sequence_id)
-from kvservice.store import STALE_EPOCH, ScriptError, Store, blocks_of
+from kvservice import errors
+from kvservice.allocator import hashing, keys
+from kvservice.allocator.config import Settings
+from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, SeqDelta,
+                                        SeqState, StepOutcome, Update, format_sequence_id, parse_sequence_id)
+from kvservice.common.geometry import Geometry
+from kvservice.common.settings import POOL_ID
+from kvservice.allocator.store import STALE_EPOCH, ScriptError, Store, blocks_of
 
 log = logging.getLogger(__name__)
 MAX_INT = 2**31 - 1

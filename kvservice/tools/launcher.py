@@ -17,14 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvservice.embedded import EmbeddedRedis, terminate
-
-
-def write_port_file(path: str, port: int, extra: str, metrics_port: int) -> None:
-    """Writes ``<port>\\n<extra>\\n<metrics port>\\n`` atomically (what ``ServiceProcess`` reads)."""
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{port}\n{extra}\n{metrics_port}\n")
-    os.replace(path + ".tmp", path)
+from kvservice.allocator.embedded import EmbeddedRedis, terminate
 
 
 class ServiceProcess:

@@ -350,7 +350,7 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     from kvservice.errors import KvsError
-    from kvservice.launcher import AllocatorProcess
+    from kvservice.tools.launcher import AllocatorProcess
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:

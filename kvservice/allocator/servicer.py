@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvservice.allocator import Allocator
-from kvservice.audit import audit_pool
-from kvservice.errors import InvalidArgument, NotFound
-from kvservice.model import POOL_ID, Create, Geometry, LeaseInfo, PoolInfo, SeqDelta, SeqState, StepOutcome, Update
+from kvservice.allocator.audit import run_audit
+from kvservice.allocator.core import Allocator
+from kvservice.allocator.domain import Create, LeaseInfo, PoolInfo, SeqDelta, SeqState, StepOutcome, Update
+from kvservice.common.geometry import Geometry
+from kvservice.errors import InvalidArgument
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -15,12 +16,9 @@ STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in (
 
 
 def pool_to_pb(info: PoolInfo) -> pb.Pool:
-    g = info.geometry
     out = pb.Pool(pool_id=info.pool_id, epoch=info.epoch, worker_address=info.worker_address,
                   registered_at_ms=info.registered_at_ms, last_heartbeat_ms=info.last_heartbeat_ms,
-                  geometry=pb.PoolGeometry(num_blocks=g.num_blocks, block_size=g.block_size,
-                                           num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                                           head_dim=g.head_dim, dtype=g.dtype))
+                  geometry=info.geometry.to_pb())
     if info.stats:
         out.stats.CopyFrom(stats_to_pb(info))
     return out
@@ -86,9 +84,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def RegisterPool(self, request: pb.RegisterPoolRequest, context: Any) -> pb.Pool:
         if not request.HasField("geometry"):
             raise InvalidArgument("geometry is required")
-        g = request.geometry
-        geometry = Geometry(g.num_blocks, g.block_size, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype)
-        info = await self.a.register_pool(request.pool_id, geometry, request.worker_address, request.request_id)
+        info = await self.a.register_pool(request.pool_id, Geometry.from_pb(request.geometry), request.worker_address,
+                                          request.request_id)
         return pool_to_pb(await self.a.describe_pool(info.pool_id))
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Any) -> pb.ListPoolsResponse:
@@ -144,20 +141,3 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         problems, infos = await run_audit(self.a, request.pool_id)
         return pb.AuditResponse(ok=not problems, problems=problems, pools=[stats_to_pb(i) for i in infos])
 
-
-async def run_audit(allocator: Allocator, pool_id: str = "") -> tuple[list[str], list[PoolInfo]]:
-    """Audits one pool (or all); returns the problems and each pool's stats."""
-    if pool_id and not POOL_ID.fullmatch(pool_id):
-        raise InvalidArgument(f"malformed pool_id {pool_id!r}")
-    pools = [pool_id] if pool_id else await allocator.store.pool_ids()
-    problems: list[str] = []
-    infos: list[PoolInfo] = []
-    for p in pools:
-        snap = await allocator.store.snapshot(p)
-        if snap is None:
-            if pool_id:
-                raise NotFound(f"pool {pool_id} is not registered")
-            continue
-        problems += audit_pool(p, snap, snap["counts"])
-        infos.append(await allocator.describe_pool(p))
-    return problems, infos

@@ -6,13 +6,8 @@ check the shipped dashboard against it. Names follow Prometheus conventions: one
 (``kvservice_``), base units (seconds, bytes, blocks, tokens), ``_total`` on counters,
 0–1 ratios.
 
-Pool metrics come from Redis, the single source of truth, and would double if every
-replica exported them. Scheme: the replicas share an **exporter lease** in Redis
-(``kvs:exporter``, claimed and renewed by a Lua script whenever a replica is scraped,
-with a TTL of ``metrics_exporter_ttl`` seconds). Only the holder exports the ``kvservice_pool_*``
-series; the others export ``kvservice_pool_exporter 0``. If the holder dies, another
-scraped replica takes over once the lease expires. So ``sum by (pool)`` over all
-replicas is always right.
+The allocator's metrics (and the exporter lease that keeps the pool series from doubling
+over replicas) are in ``kvservice.allocator.metrics``; the worker's in ``worker.metrics``.
 
 Core code never touches Prometheus: the interceptor times RPCs, the store reports script
 durations through a callback, and the collector reads the allocator's own results.
@@ -20,11 +15,6 @@ durations through a callback, and the collector reads the allocator's own result
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-import secrets
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable
@@ -33,9 +23,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvservice.interceptor import UnaryInterceptor
+from kvservice.common.interceptor import UnaryInterceptor
 
-log = logging.getLogger(__name__)
 disable_created_metrics()
 
 PREFIX = "kvservice"
@@ -216,86 +205,3 @@ class MetricsServer:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-# ------------------------------------------------------------------ allocator
-
-
-def replica_id() -> str:
-    """A name for this process in the exporter lease: host, pid and a random suffix."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-class AllocatorMetrics:
-    """The metrics of one allocator replica, in their own registry.
-
-    Args:
-        allocator: read for the pool series (``list_pools``) and ``leases_granted``.
-        loop: the event loop the allocator runs on (collection runs there).
-        exporter_ttl: seconds the exporter lease lasts without a scrape.
-    """
-
-    def __init__(self, allocator: Any, loop: asyncio.AbstractEventLoop, exporter_ttl: float) -> None:
-        self.registry = CollectorRegistry()
-        self.rpc_seconds = histogram("rpc_duration_seconds", self.registry, RPC_BUCKETS)
-        self.script_seconds = histogram("script_duration_seconds", self.registry, SCRIPT_BUCKETS)
-        self.interceptor = MetricsInterceptor(self.rpc_seconds)
-        self.collector = PoolCollector(allocator, loop, exporter_ttl)
-        self.registry.register(self.collector)
-
-    def observe_script(self, script: str, seconds: float) -> None:
-        self.script_seconds.labels(script).observe(seconds)
-
-
-class PoolCollector:
-    """Collects the pool series from Redis at scrape time, if this replica is the exporter."""
-
-    TIMEOUT = 5.0
-
-    def __init__(self, allocator: Any, loop: asyncio.AbstractEventLoop, exporter_ttl: float) -> None:
-        self.allocator = allocator
-        self.loop = loop
-        self.ttl_ms = max(1, int(exporter_ttl * 1000))
-        self.replica = replica_id()
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    async def _read(self) -> tuple[bool, list[Any], int]:
-        store = self.allocator.store
-        if not await store.claim_exporter(self.replica, self.ttl_ms):
-            return False, [], 0
-        return True, await self.allocator.list_pools(), await store.now_ms()
-
-    async def release(self) -> None:
-        """Gives the exporter lease up (on shutdown), so another replica takes over at once."""
-        await self.allocator.store.release_exporter(self.replica)
-
-    def collect(self) -> Iterable[Metric]:
-        yield family("leases_granted_total", self.allocator.leases_granted)
-        try:
-            future = asyncio.run_coroutine_threadsafe(self._read(), self.loop)
-            exporter, pools, now_ms = future.result(self.TIMEOUT)
-        except Exception as exc:  # noqa: BLE001 - a scrape must not fail because Redis is down
-            log.warning("metrics: cannot read the pools from Redis: %s", exc)
-            yield family("redis_up", 0)
-            yield family("pool_exporter", 0)
-            return
-        yield family("redis_up", 1)
-        yield family("pool_exporter", 1 if exporter else 0)
-        if not exporter:
-            return
-        out = {short: family(short) for short in (*POOL_GAUGES.values(), *POOL_COUNTERS.values(),
-                                                  "pool_block_size_tokens", "pool_epoch",
-                                                  "pool_heartbeat_age_seconds")}
-        for info in pools:
-            labels = [info.pool_id]
-            for field, short in POOL_GAUGES.items():
-                out[short].add_metric(labels, float(info.stats.get(field, 0)))
-            for field, short in POOL_COUNTERS.items():
-                out[short].add_metric(labels, float(info.stats.get(field, 0)))
-            out["pool_block_size_tokens"].add_metric(labels, info.geometry.block_size)
-            out["pool_epoch"].add_metric(labels, info.epoch)
-            seen = info.last_heartbeat_ms or info.registered_at_ms
-            out["pool_heartbeat_age_seconds"].add_metric(labels, max(0, now_ms - seen) / 1000)
-        yield from out.values()

@@ -184,7 +184,7 @@ class Engine:
         self._channels: list[grpc.Channel] = []
         self._num_blocks: dict[str, int] = {}
         self._block_size: dict[str, int] = {}
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvs-forward")
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvs-forward")
         self.refresh_workers()
 
     # ------------------------------------------------------------ workers
@@ -211,7 +211,7 @@ class Engine:
 
     def close(self) -> None:
         """Frees every sequence (revokes the lease) and closes the connections."""
-        self._pool.shutdown(wait=True)
+        self._executor.shutdown(wait=True)
         for c in [*self._channels, self.client]:
             c.close()
 
@@ -442,7 +442,7 @@ class Engine:
                 raise RuntimeError(f"pool {pool}: sequences of several epochs {sorted(epochs)} in one step")
             request = wpb.ForwardRequest(epoch=epochs.pop(), copies=copies.get(pool, []),
                                          sequences=[fs for _, _, fs, _ in items], return_logits=self.return_logits)
-            calls[pool] = self._pool.submit(self._stubs[pool].Forward, request, timeout=self.timeout)
+            calls[pool] = self._executor.submit(self._stubs[pool].Forward, request, timeout=self.timeout)
         for pool, items in entries.items():
             response = calls[pool].result()
             rows = _rows(response.logits, len(items)) if self.return_logits else [None] * len(items)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 PREFIX = "kvs"
 POOLS = f"{PREFIX}:pools"
-#: The metrics exporter lease (kvservice.metrics): which replica exports the pool series.
+#: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
                   "leases", "lseq", "dead", "stats", "tabs")

@@ -1,0 +1,57 @@
+"""Settings of the allocator service: one object, from ``KVSERVICE_*`` env vars and CLI flags.
+
+Every field can be set as ``KVSERVICE_<FIELD>`` (upper case) and as ``--<field>`` with
+dashes on ``kvservice serve``; flags win over the environment. ``Settings`` checks
+itself on creation and raises ``ValueError`` with the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvservice.common.settings import EnvSettings, check_in_range, check_ports, check_positive
+
+
+@dataclass(slots=True)
+class Settings(EnvSettings):
+    """Allocator settings (see docs/allocator.md for what each limit bounds)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    #: Redis URL (redis://, rediss://, unix://). Empty: start an embedded Redis.
+    redis_url: str = ""
+    #: Seconds between sweeps of expired leases.
+    reap_interval: float = 0.5
+    #: How long a request_id's outcome is kept for retries (seconds).
+    request_ttl: float = 600.0
+    #: "tenant": each tenant's prompts hash with its own salt; "global": one cache for all.
+    prefix_cache_scope: str = "tenant"
+    #: Items (updates + creates) in one call.
+    max_items_per_call: int = 1024
+    #: New blocks one call may allocate.
+    max_blocks_per_call: int = 65536
+    #: Longest prompt a create accepts (tokens).
+    max_prompt_tokens: int = 1 << 20
+    #: Children one sequence may fork in one step.
+    max_forks_per_sequence: int = 256
+    #: Lease TTL bounds (seconds).
+    min_lease_ttl: float = 0.1
+    max_lease_ttl: float = 3600.0
+    #: How long expired leases and their tombstones are remembered (seconds).
+    lease_tombstone: float = 3600.0
+    #: Port of the Prometheus /metrics endpoint (on ``host``); 0: any free port; -1: off.
+    metrics_port: int = 9400
+    #: Seconds the metrics exporter lease lasts without a scrape (see docs/operations.md).
+    metrics_exporter_ttl: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        check_ports(self)
+        if self.prefix_cache_scope not in ("tenant", "global"):
+            raise ValueError(f"prefix_cache_scope must be 'tenant' or 'global', got {self.prefix_cache_scope!r}")
+        check_positive(self, "reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",
+                       "metrics_exporter_ttl")
+        for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence"):
+            check_in_range(name, getattr(self, name), 1, 2**31 - 1)
+        if self.min_lease_ttl > self.max_lease_ttl:
+            raise ValueError("min_lease_ttl must not exceed max_lease_ttl")

@@ -1,0 +1,1 @@
+"""Tools: the launcher (services as separate processes, ``kvservice up``) and the benchmark."""
