@@ -411,30 +411,43 @@ class Client:
 
 
 def to_domain_error(exc: grpc.RpcError) -> errors.KvsError:
-    """The ``kvservice.errors`` exception for a failed call, with its status details."""
-    cls = errors.BY_STATUS.get(exc.code(), errors.KvsError)
-    message = exc.details() or str(exc.code())
-    info: dict[str, str] = {}
+    """The ``kvservice.errors`` exception for any failed call, with its status details
+    (``KvsError`` with the call's ``code`` for a status the service does not send on
+    purpose; details that cannot be read are left out, never raised)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    cls = errors.BY_STATUS.get(code, errors.KvsError)
+    message = (exc.details() if hasattr(exc, "details") else "") or str(code)
+    info = error_details_pb2.ErrorInfo()
     partial = None
-    status = rpc_status.from_call(exc) if hasattr(exc, "trailing_metadata") else None
+    try:
+        status = rpc_status.from_call(exc) if hasattr(exc, "trailing_metadata") else None
+    except Exception:  # noqa: BLE001 - a malformed or mismatched status: keep code and message
+        status = None
     if status is not None:
         for detail in status.details:
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                ei = error_details_pb2.ErrorInfo()
-                detail.Unpack(ei)
-                info.update(ei.metadata)
+                detail.Unpack(info)
             elif detail.Is(pb.StepResponse.DESCRIPTOR):
                 partial = pb.StepResponse()
                 detail.Unpack(partial)
+    reason = info.reason or None
+    meta = info.metadata
     if cls is errors.ResourceExhausted:
         err: errors.KvsError = errors.ResourceExhausted(
-            message, pool_id=info.get("pool_id", ""), needed=int(info.get("needed", 0)),
-            available=int(info.get("available", 0)), partial=partial)
+            message, pool_id=meta.get("pool_id", ""), needed=_int(meta.get("needed")),
+            available=_int(meta.get("available")), partial=partial, reason=reason)
     else:
-        err = cls(message, partial=partial)
+        err = cls(message, partial=partial, reason=reason)
         if cls is errors.KvsError:
-            err.code = exc.code()
+            err.code = code
     return err
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
 
 
 def _request_id() -> str:

@@ -1,8 +1,28 @@
 """Domain exceptions shared by the allocator service and the client SDK.
 
 Domain code raises these; one server interceptor turns them into gRPC status codes
-(`kvservice.common.interceptor`), and the SDK turns status codes back into them, so a caller
-catches `kvservice.errors.ResourceExhausted` whichever side it is on.
+(``kvservice.common.interceptor``), and the SDK turns every status code back into one of
+them (``KvsError`` for codes the service never sends on purpose), so a caller catches
+``kvservice.errors.ResourceExhausted`` whichever side it is on.
+
+Each error carries a ``reason``: the ``google.rpc.ErrorInfo`` reason (UPPER_SNAKE_CASE,
+domain ``kvservice``) that the status details carry, finer than the status code:
+
+=====================  ===================  =================================================
+reason                 status               meaning
+=====================  ===================  =================================================
+NOT_FOUND              NOT_FOUND            unknown pool, lease or sequence
+INVALID_ARGUMENT       INVALID_ARGUMENT     malformed input; nothing changed
+FAILED_PRECONDITION    FAILED_PRECONDITION  a call out of order (e.g. an append into a
+                                            shared block without a step)
+LEASE_EXPIRED          FAILED_PRECONDITION  the lease expired or was revoked
+EPOCH_CHANGED          FAILED_PRECONDITION  the pool was re-registered since (new epoch)
+PERMISSION_DENIED      PERMISSION_DENIED    a sequence of another lease
+BLOCKS_EXHAUSTED       RESOURCE_EXHAUSTED   not enough free + evictable blocks in a pool
+UNAVAILABLE            UNAVAILABLE          the allocator (or its Redis) cannot be reached
+DEADLINE_EXCEEDED      DEADLINE_EXCEEDED    the call's deadline passed
+INTERNAL               any other code       a failure the service did not report on purpose
+=====================  ===================  =================================================
 """
 
 from __future__ import annotations
@@ -11,13 +31,17 @@ import grpc
 
 
 class KvsError(Exception):
-    """Base class: every error the allocator reports on purpose."""
+    """Base class: every error the allocator reports on purpose (and, in the SDK, any
+    failed call: ``code`` says which status it had)."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: str = "INTERNAL"
 
-    def __init__(self, message: str, *, partial: object | None = None) -> None:
+    def __init__(self, message: str, *, partial: object | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if reason:
+            self.reason = reason
         #: For a step over several pools: the results of the pools that were applied
         #: before this one failed (a ``StepResponse``), else None.
         self.partial = partial
@@ -30,30 +54,43 @@ class NotFound(KvsError):
     """An unknown pool, lease or sequence."""
 
     code = grpc.StatusCode.NOT_FOUND
+    reason = "NOT_FOUND"
 
 
 class InvalidArgument(KvsError):
     """Malformed input; nothing was changed."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_ARGUMENT"
 
 
 class FailedPrecondition(KvsError):
-    """A stale pool epoch, an expired or revoked lease, or a step out of order."""
+    """A stale pool epoch (reason EPOCH_CHANGED), an expired or revoked lease (reason
+    LEASE_EXPIRED), or a step out of order."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
 
 
 class PermissionDenied(KvsError):
     """A sequence named under a lease that does not own it."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
 
 
 class Unavailable(KvsError):
-    """The allocator or its Redis cannot be reached."""
+    """The allocator or its Redis cannot be reached (retry with the same request id)."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
+
+
+class DeadlineExceeded(KvsError):
+    """The call's deadline passed before the allocator answered."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_EXCEEDED"
 
 
 class ResourceExhausted(KvsError):
@@ -66,14 +103,14 @@ class ResourceExhausted(KvsError):
     """
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "BLOCKS_EXHAUSTED"
 
     def __init__(self, message: str, *, pool_id: str = "", needed: int = 0,
-                 available: int = 0, partial: object | None = None) -> None:
-        super().__init__(message, partial=partial)
+                 available: int = 0, partial: object | None = None, reason: str | None = None) -> None:
+        super().__init__(message, partial=partial, reason=reason)
         self.pool_id = pool_id
         self.needed = needed
         self.available = available
-
 
 
 BY_CODE_NAME: dict[str, type[KvsError]] = {
@@ -83,6 +120,11 @@ BY_CODE_NAME: dict[str, type[KvsError]] = {
     "PERMISSION_DENIED": PermissionDenied,
     "RESOURCE_EXHAUSTED": ResourceExhausted,
     "UNAVAILABLE": Unavailable,
+    "DEADLINE_EXCEEDED": DeadlineExceeded,
 }
 
 BY_STATUS: dict[grpc.StatusCode, type[KvsError]] = {cls.code: cls for cls in BY_CODE_NAME.values()}
+
+#: Every ErrorInfo reason the service sends (documented in docs/allocator.md).
+REASONS = ("NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "LEASE_EXPIRED", "EPOCH_CHANGED",
+           "PERMISSION_DENIED", "BLOCKS_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL")

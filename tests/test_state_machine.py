@@ -199,10 +199,20 @@ def simulate(m0: Model, pool: str, owner: str, lease: str, tenant: str, appends:
             for i in range(rec.committed, full):
                 commits.append((hs[i], rec.table[i]))
             rec.committed = full
-    for h, mid in commits:
-        if h not in m.h2b and h not in pending and m.blocks[mid].hash is None:
+    # dups: content already cached under h in another block; the block here takes h if
+    # this step evicts that block (a hash never disappears while its content is cached).
+    dups: dict[str, int] = {}
+
+    def plan_hash(h: str, mid: int) -> None:
+        if h not in m.h2b and h not in pending:
             pending[h] = mid
             regs.append((h, mid))
+        elif h in m.h2b and h not in dups:
+            dups[h] = mid
+
+    for h, mid in commits:
+        if m.blocks[mid].hash is None:
+            plan_hash(h, mid)
     if commits and set(frees) & {sid for sid in order if pre_tokens[sid] // BS > m0.seqs[sid].committed}:
         out.notes.append("commit with the free")
     # Phase 2: frees (last block first).
@@ -273,9 +283,8 @@ def simulate(m0: Model, pool: str, owner: str, lease: str, tenant: str, appends:
         for i in range(len(hits), math.ceil(n / BS)):
             mid = m.new_block()
             table.append(mid)
-            if i < nfull and hs[i] not in m.h2b and hs[i] not in pending:
-                pending[hs[i]] = mid
-                regs.append((hs[i], mid))
+            if i < nfull:
+                plan_hash(hs[i], mid)
         rec = MSeq("", owner, lease, 0, tenant, family, list(tokens), n, nfull, table, True, len(hits) * BS)
         m.stats["prefix_queried_tokens"] += n
         m.stats["prefix_hit_tokens"] += rec.cached
@@ -319,7 +328,13 @@ def simulate(m0: Model, pool: str, owner: str, lease: str, tenant: str, appends:
     victims, m.lru = m.lru[:nplace - take], m.lru[nplace - take:]
     for mid in victims:
         b = m.blocks.pop(mid)
-        del m.h2b[b.hash]
+        keep = dups.get(b.hash)
+        if keep is not None and keep in m.blocks and m.blocks[keep].ref > 0:
+            m.blocks[keep].hash = b.hash
+            m.h2b[b.hash] = keep
+            out.notes.append("an evicted block's hash moves to the block with its content")
+        else:
+            del m.h2b[b.hash]
         out.evicted.append(b.phys)
     m.stats["evictions"] += len(victims)
     m.stats["blocks_allocated"] += nplace

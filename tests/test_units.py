@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvservice import errors
-from kvservice.allocator import hashing, lua
+from kvservice.allocator import hashing
 from kvservice.allocator.config import Settings
 from kvservice.allocator.domain import format_sequence_id, parse_sequence_id
 from kvservice.common.geometry import Geometry
@@ -71,12 +71,3 @@ def test_settings_read_env_and_flags_win():
         Settings(prefix_cache_scope="everyone")
     with pytest.raises(ValueError, match="max_items_per_call"):
         Settings(max_items_per_call=0)
-
-
-@pytest.mark.parametrize("name", ["STEP", "REAP", "REGISTER", "PROBE", "HEARTBEAT", "LEASE_TOUCH", "LEASE_GRANT",
-                                  "LEASE_KEEPALIVE", "LEASE_ATTACH", "LEASE_REVOKE"])
-def test_every_script_documents_its_keys_args_and_reply(name):
-    body = getattr(lua, name).removeprefix(lua.LIB).removeprefix(lua.LEASE_LIB)
-    header = body.strip().splitlines()[:8]
-    text = "\n".join(header)
-    assert "KEYS" in text and "ARGV" in text and "Returns" in text, text

@@ -7,6 +7,7 @@ import math
 import torch
 
 from kvservice import errors
+from kvservice.common.settings import echo
 from kvservice.v1 import worker_pb2 as pb
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -17,7 +18,7 @@ def decode(t: pb.Tensor, name: str, dtype: torch.dtype, device: torch.device) ->
     """The tensor of a request field, checked against the pool's dtype; InvalidArgument
     names the field and the offending value."""
     if t.dtype not in DTYPES:
-        raise errors.InvalidArgument(f"{name}: unknown dtype {t.dtype!r} (float32, float16 or bfloat16)")
+        raise errors.InvalidArgument(f"{name}: unknown dtype {echo(t.dtype)} (float32, float16 or bfloat16)")
     if DTYPES[t.dtype] != dtype:
         raise errors.InvalidArgument(f"{name}: dtype {t.dtype}, the pool holds {NAMES[dtype]}")
     shape = tuple(t.shape)

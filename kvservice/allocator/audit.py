@@ -69,9 +69,9 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
 
     holders: Counter[int] = Counter()
     for n, rec in snap["seqs"].items():
-        table = rec["b"] if isinstance(rec["b"], list) else []
+        table = rec["block_table"]
         holders.update(table)
-        t, c = rec["t"], rec["c"]
+        t, c = rec["num_tokens"], rec["num_committed_blocks"]
         if len(table) != math.ceil(t / bs):
             bad(f"sequence {n}: {len(table)} blocks for {t} tokens (block size {bs})")
         if not 0 <= c <= min(len(table), t // bs):
@@ -105,13 +105,13 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
         rec = snap["seqs"].get(int(n))
         if rec is None:
             bad(f"lease index entry {member} has no sequence")
-        elif rec["l"] != lease:
-            bad(f"lease index entry {member} but the sequence belongs to {rec['l']}")
+        elif rec["lease_id"] != lease:
+            bad(f"lease index entry {member} but the sequence belongs to {rec['lease_id']}")
     for n, rec in snap["seqs"].items():
         if lease_index.get(n, 0) != 1:
             bad(f"sequence {n} is indexed {lease_index.get(n, 0)} times under its lease")
-        if rec["l"] not in snap["leases"]:
-            bad(f"sequence {n} hangs off lease {rec['l']}, unknown to the pool")
+        if rec["lease_id"] not in snap["leases"]:
+            bad(f"sequence {n} hangs off lease {rec['lease_id']}, unknown to the pool")
 
     st = snap.get("stats", {})
     live = st.get("sequences_created", 0) - st.get("sequences_freed", 0)

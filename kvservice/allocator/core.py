@@ -14,13 +14,14 @@ from collections import defaultdict
 from typing import Any
 
 from kvservice import errors
-from kvservice.allocator import hashing, keys
+from kvservice.allocator import codec, hashing
+from kvservice.allocator.codec import STALE_EPOCH, ScriptError
 from kvservice.allocator.config import Settings
 from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, SeqDelta,
                                         SeqState, StepOutcome, Update, format_sequence_id, parse_sequence_id)
+from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
-from kvservice.common.settings import POOL_ID
-from kvservice.allocator.store import STALE_EPOCH, ScriptError, Store, blocks_of
+from kvservice.common.settings import check_pool_id, echo
 
 log = logging.getLogger(__name__)
 MAX_INT = 2**31 - 1
@@ -42,20 +43,20 @@ class Allocator:
 
     async def register_pool(self, pool_id: str, geometry: Geometry, worker_address: str = "",
                             request_id: str = "") -> PoolInfo:
-        if pool_id and not POOL_ID.fullmatch(pool_id):
-            raise errors.InvalidArgument(f"malformed pool_id {pool_id!r} (letters, digits, _ . -; at most 64)")
+        if pool_id:
+            _check_pool_id(pool_id)
         geometry.check()
         _check_request_id(request_id)
         if len(worker_address) > 256:
             raise errors.InvalidArgument("worker_address is longer than 256 characters")
         if not pool_id:
-            pool_id = f"pool-{await self.store.redis.incr(keys.PREFIX + ':pools:next')}"
-        payload = {"pool": pool_id, "rid": request_id, "req_ttl_ms": self._request_ttl_ms(),
+            pool_id = await self.store.new_pool_id(request_id, self._request_ttl_ms())
+        payload = {"pool": pool_id, "request_id": request_id, "request_ttl_ms": self._request_ttl_ms(),
                    "num_blocks": geometry.num_blocks, "block_size": geometry.block_size,
                    "num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads,
                    "head_dim": geometry.head_dim, "dtype": geometry.dtype,
                    "worker_address": worker_address}
-        payload["digest"] = _digest("register", sorted(payload.items()))
+        payload["fingerprint"] = fingerprint("register", payload)
         reply = await self.store.register_pool(payload)
         self._geometry[pool_id] = (int(reply["epoch"]), geometry)
         log.info("pool %s registered: epoch %s, %d blocks of %d tokens", pool_id, reply["epoch"],
@@ -110,7 +111,7 @@ class Allocator:
     async def grant_lease(self, tenant: str, ttl_seconds: float, request_id: str = "") -> LeaseInfo:
         tenant = tenant or "default"
         if not TENANT.fullmatch(tenant):
-            raise errors.InvalidArgument(f"malformed tenant {tenant!r}")
+            raise errors.InvalidArgument(f"malformed tenant {echo(tenant)}")
         s = self.settings
         if not s.min_lease_ttl <= ttl_seconds <= s.max_lease_ttl:
             raise errors.InvalidArgument(
@@ -121,9 +122,9 @@ class Allocator:
         else:
             lease_id = secrets.token_hex(8)
         ttl_ms = max(1, round(ttl_seconds * 1000))
-        reply = await self.store.grant_lease({"lease": lease_id, "tenant": tenant, "ttl_ms": ttl_ms,
-                                              "digest": _digest("grant", tenant, ttl_ms), "rid": request_id,
-                                              "tombstone_ms": self._tombstone_ms()})
+        reply = await self.store.grant_lease({"lease_id": lease_id, "tenant": tenant, "ttl_ms": ttl_ms,
+                                              "fingerprint": fingerprint("grant", [tenant, ttl_ms]),
+                                              "request_id": request_id, "tombstone_ms": self._tombstone_ms()})
         if not reply.get("replay"):
             self.leases_granted += 1
         return _lease_info(reply)
@@ -140,29 +141,28 @@ class Allocator:
         self._leases.pop(lease_id, None)
         freed = 0
         for pool_id in pools:
-            pool_id = pool_id.decode() if isinstance(pool_id, bytes) else pool_id
             while True:
                 try:
                     reply = await self.store.reap(pool_id, force_lease=lease_id,
                                                   tombstone_ms=self._tombstone_ms())
                 except errors.NotFound:
                     break
-                freed += int(reply["seqs"])
+                freed += reply["sequences"]
                 if not reply["more"]:
                     break
         return freed
 
     async def reap(self) -> dict[str, int]:
         """Frees the sequences of every expired lease in every pool (idempotent)."""
-        total = {"leases": 0, "seqs": 0}
+        total = {"leases": 0, "sequences": 0}
         for pool_id in await self.store.pool_ids():
             for _ in range(1000):
                 try:
                     reply = await self.store.reap(pool_id, tombstone_ms=self._tombstone_ms())
                 except errors.NotFound:
                     break
-                total["leases"] += int(reply["leases"])
-                total["seqs"] += int(reply["seqs"])
+                total["leases"] += reply["leases"]
+                total["sequences"] += reply["sequences"]
                 if not reply["more"]:
                     break
         return total
@@ -179,7 +179,7 @@ class Allocator:
         if rec is None:
             raise errors.NotFound(f"sequence {sequence_id} not found")
         _, geo = await self.geometry(pool_id)
-        return _state(pool_id, epoch, n, rec, block_size=geo.block_size)
+        return _state(pool_id, epoch, {"sequence": n, **rec}, rec["lease_id"], geo.block_size)
 
     async def step(self, lease_id: str, updates: list[Update], creates: list[Create],
                    request_id: str = "") -> StepOutcome:
@@ -215,11 +215,17 @@ class Allocator:
                 current, geo = await self.geometry(pool_id, refresh=True)
                 if current != epoch:
                     raise _epoch_error(sid, pool_id, epoch, current)
-            by_pool[pool_id]["updates"].append((i, canonical, epoch, self._update_payload(u, n, epoch, geo)))
+            by_pool[pool_id]["updates"].append((i, canonical, self._update_payload(u, n, epoch, geo)))
 
         tenant = ""
+        packed = [_check_create(c, s.max_prompt_tokens) for c in creates]
+        # The request's identity for retries: every field of every item.
+        digest = ""
+        if request_id:
+            digest = fingerprint("step", [lease_id, [(sid, payload) for items in by_pool.values()
+                                                     for _, sid, payload in items["updates"]],
+                                          [(data, c.pool_id, c.extra_key) for c, data in zip(creates, packed)]])
         if creates:
-            packed = [_check_create(c, s.max_prompt_tokens) for c in creates]
             explicit = sorted({c.pool_id for c in creates if c.pool_id})
             for pool_id in explicit:
                 await self.geometry(pool_id)
@@ -228,14 +234,20 @@ class Allocator:
             if not candidates:
                 raise errors.FailedPrecondition("no pool is registered")
             tenant, lease_deadline = await self._attach(lease_id, candidates)
+            placed = [c.pool_id or await self._place(c, packed[i], tenant) for i, c in enumerate(creates)]
+            if anywhere and request_id:
+                # A retry must land where the first attempt did (and find its outcome there).
+                placed = await self.store.place(lease_id, request_id, digest, placed, self._request_ttl_ms())
+                for pool_id in set(placed) - set(candidates):
+                    await self.geometry(pool_id)
+                    await self._attach(lease_id, [pool_id])
             for i, c in enumerate(creates):
-                pool_id = c.pool_id or await self._place(c, packed[i], tenant)
-                by_pool[pool_id]["creates"].append((i, c, packed[i]))
+                by_pool[placed[i]]["creates"].append((i, c, packed[i]))
         else:
             lease_deadline = 0
         outcome = StepOutcome([None] * len(updates), [None] * len(creates), [])
         pools = list(by_pool)
-        payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_deadline, request_id)
+        payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_deadline, request_id, digest)
                     for p in pools]
         replies = await self.store.step(payloads)
         first_error: errors.KvsError | None = None
@@ -249,7 +261,7 @@ class Allocator:
                     self._leases.pop(lease_id, None)
                     tenant, lease_deadline = await self._attach(lease_id, [pool_id])
                 payload = await self._pool_payload(pool_id, by_pool[pool_id], lease_id, tenant,
-                                                   lease_deadline, request_id)
+                                                   lease_deadline, request_id, digest)
                 reply = (await self.store.step([payload]))[0]
             if isinstance(reply, Exception):
                 if isinstance(reply, errors.ResourceExhausted):
@@ -273,8 +285,8 @@ class Allocator:
 
     # ------------------------------------------------------------ helpers
 
-    def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry) -> str:
-        """The update's line for the step script (see ``lua.STEP``). Runs for every
+    def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry) -> dict[str, Any]:
+        """The update as the step script takes it (``scripts/step.lua``). Runs for every
         update of every step: each field is read once (``u`` may be a proto message)."""
         sid = u.sequence_id
         t, g = u.num_tokens, u.grow_to
@@ -284,11 +296,10 @@ class Allocator:
             raise errors.InvalidArgument(f"sequence {sid}: grow_to {g} is out of range")
         if t == 0:
             raise errors.InvalidArgument(f"sequence {sid}: num_tokens must be >= 1 (or -1)")
-        forks = u.fork_grow_to
+        forks = list(u.fork_grow_to)
         free = u.free
         if free and (g or forks):
             raise errors.InvalidArgument(f"sequence {sid} cannot be freed and forked or grown in one step")
-        fork_text = "-"
         if forks:
             if len(forks) > self.settings.max_forks_per_sequence:
                 raise errors.InvalidArgument(
@@ -296,22 +307,22 @@ class Allocator:
             for f in forks:
                 if not 0 <= f <= MAX_INT:
                     raise errors.InvalidArgument(f"sequence {sid}: fork_grow_to {f} is out of range")
-            fork_text = ",".join(map(str, forks))
+        payload = {"sequence": n, "epoch": epoch, "num_tokens": t, "grow_to": g, "free": free,
+                   "num_committed_blocks": 0, "parent_hash": "", "fork_grow_to": forks, "commits": []}
         commits = u.commits
         if not commits:
-            parent_hash = u.parent_hash
-            return f"{n} {epoch} {t} {g} {1 if free else 0} 0 {parent_hash.hex() if parent_hash else '-'} {fork_text} -"
+            return payload
         if t < 0:
             raise errors.InvalidArgument(f"sequence {sid}: commits need num_tokens")
         parent = u.parent_hash
         if len(parent) != hashing.HASH_BYTES:
             raise errors.InvalidArgument(f"sequence {sid}: parent_hash must be {hashing.HASH_BYTES} bytes")
-        parent_hex = parent.hex()
+        payload["parent_hash"] = parent.hex()
         first = commits[0].index
         if first < 0:
             raise errors.InvalidArgument(f"sequence {sid}: commit starts at block {first}; block indexes start at 0")
         bs = geo.block_size
-        hashes = []
+        hashes = payload["commits"]
         index = first
         for c in commits:
             if c.index != index:
@@ -323,27 +334,26 @@ class Allocator:
             parent = hashing.block_hash_checked(parent, tokens, f"sequence {sid}")
             hashes.append(parent.hex())
             index += 1
-        return f"{n} {epoch} {t} {g} {1 if free else 0} {first} {parent_hex} {fork_text} {''.join(hashes)}"
+        payload["num_committed_blocks"] = first
+        return payload
 
     async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
-                            lease_deadline: int, request_id: str) -> dict[str, Any]:
-        """One pool's script call: a JSON header and the items as lines of text.
-        ``lease_deadline`` is 0 when the lease is known to be attached to the pool already
-        (the script then reads its deadline there)."""
+                            lease_deadline: int, request_id: str, digest: str) -> dict[str, Any]:
+        """One pool's step script call (``scripts/step.lua``). ``lease_deadline`` is 0 when
+        the lease is known to be attached to the pool already (the script then reads its
+        deadline there)."""
         epoch, geo = await self.geometry(pool_id)
-        lines = []
+        creates = []
         for _, c, data in items["creates"]:
             root = hashing.root_hash(self._salt(tenant), c.extra_key)
             n = len(data) // 4
             hs = hashing.chain_hashes(root, data, geo.block_size, n // geo.block_size)
-            lines.append(f"{epoch} {n} {root.hex()} {b''.join(hs).hex() or '-'}")
-        argv = ["\n".join(u[3] for u in items["updates"]), "\n".join(lines)]
-        # The request's identity for retries: the pool's items, not the volatile header.
-        digest = hashlib.sha256(f"{lease_id}\x1f{argv[0]}\x1f{argv[1]}".encode()).hexdigest() if request_id else ""
-        header = {"pool": pool_id, "rid": request_id, "digest": digest, "req_ttl_ms": self._request_ttl_ms(),
-                  "lease": lease_id, "lease_deadline": lease_deadline,
-                  "max_blocks": self.settings.max_blocks_per_call}
-        return {"pool": pool_id, "rid": request_id, "header": header, "argv": argv}
+            creates.append({"epoch": epoch, "num_tokens": n, "root_hash": root.hex(),
+                            "block_hashes": [h.hex() for h in hs]})
+        return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
+                "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": lease_deadline,
+                "max_blocks": self.settings.max_blocks_per_call,
+                "updates": [payload for _, _, payload in items["updates"]], "creates": creates}
 
     async def _attach(self, lease_id: str, pools: list[str]) -> tuple[str, int]:
         """The lease's tenant and deadline, attaching it to ``pools``; the deadline is 0 when
@@ -358,7 +368,7 @@ class Allocator:
         attached = cached[1] if cached else set()
         attached.update(pools)
         self._leases[lease_id] = (tenant, attached)
-        return tenant, int(reply["deadline"])
+        return tenant, reply["deadline_ms"]
 
     async def _check_lease(self, lease_id: str) -> None:
         """Raises NotFound or FailedPrecondition unless the lease is live (writes nothing)."""
@@ -387,20 +397,17 @@ class Allocator:
 
     def _collect(self, pool_id: str, items: dict[str, list], lease_id: str, reply: dict[str, Any],
                  outcome: StepOutcome) -> None:
-        epoch = int(reply["epoch"])
+        epoch = reply["epoch"]
         bs = self._geometry[pool_id][1].block_size
         updates = outcome.updates
-        for (i, sid, _, _), d in zip(items["updates"], _list(reply.get("updates"))):
+        for (i, sid, _), d in zip(items["updates"], reply["updates"]):
             cow = d.get("cow")
-            kids = d.get("kids")
-            nb = d.get("nb")
-            updates[i] = SeqDelta(sid, d["t"], blocks_of(nb) if nb else [], tuple(cow) if cow else None, d["c"],
-                                  bytes.fromhex(d["h"]),
-                                  [_state(pool_id, epoch, int(k["n"]), k, lease_id, bs) for k in kids]
-                                  if kids else [], bool(d.get("freed")))
-        for (i, _, _), rec in zip(items["creates"], _list(reply.get("created"))):
-            outcome.created[i] = _state(pool_id, epoch, int(rec["n"]), rec, lease_id, bs)
-        outcome.copies.extend((pool_id, int(a), int(b)) for a, b in _list(reply.get("copies")))
+            updates[i] = SeqDelta(sid, d["num_tokens"], d.get("new_blocks", []), tuple(cow) if cow else None,
+                                  d["num_committed_blocks"], bytes.fromhex(d["last_hash"]),
+                                  [_state(pool_id, epoch, k, lease_id, bs) for k in d["children"]], d["freed"])
+        for (i, _, _), rec in zip(items["creates"], reply["created"]):
+            outcome.created[i] = _state(pool_id, epoch, rec, lease_id, bs)
+        outcome.copies.extend((pool_id, src, dst) for src, dst in reply["copies"])
 
     def _salt(self, tenant: str) -> str:
         return tenant if self.settings.prefix_cache_scope == "tenant" else ""
@@ -412,18 +419,13 @@ class Allocator:
         return int(self.settings.lease_tombstone * 1000)
 
 
-def _list(x: Any) -> list:
-    """cjson encodes an empty array as {}: treat any empty value as []."""
-    return x if isinstance(x, list) else []
-
-
-def _state(pool_id: str, epoch: int, n: int, rec: dict[str, Any], lease_id: str = "",
-           block_size: int = 0) -> SeqState:
-    cow = tuple(rec["cow"]) if rec.get("cow") else None
-    table = rec.get("b") or []
-    return SeqState(format_sequence_id(pool_id, epoch, n), pool_id, epoch, rec.get("l", lease_id),
-                    blocks_of(table) if isinstance(table, str) else list(table), int(rec["t"]), int(rec.get("k", 0)),
-                    int(rec["c"]), bytes.fromhex(rec["h"]), cow, block_size)
+def _state(pool_id: str, epoch: int, rec: dict[str, Any], lease_id: str, block_size: int) -> SeqState:
+    """A sequence record (a script's reply record, or a stored one: ``store.parse_record``)."""
+    cow = rec.get("cow")
+    return SeqState(format_sequence_id(pool_id, epoch, rec["sequence"]), pool_id, epoch,
+                    rec.get("lease_id", lease_id), rec["block_table"], rec["num_tokens"], rec["num_cached_tokens"],
+                    rec["num_committed_blocks"], bytes.fromhex(rec["last_hash"]), tuple(cow) if cow else None,
+                    block_size)
 
 
 def _geometry_of(meta: dict[str, str]) -> Geometry:
@@ -432,11 +434,13 @@ def _geometry_of(meta: dict[str, str]) -> Geometry:
 
 
 def _lease_info(reply: dict[str, Any]) -> LeaseInfo:
-    return LeaseInfo(reply["lease"], reply["tenant"], int(reply["ttl_ms"]) / 1000, int(reply["deadline"]))
+    return LeaseInfo(reply["lease_id"], reply["tenant"], reply["ttl_ms"] / 1000, reply["deadline_ms"])
 
 
-def _digest(*parts: Any) -> str:
-    return hashlib.sha256(repr(parts).encode()).hexdigest()
+def fingerprint(kind: str, request: Any) -> str:
+    """The identity of a request for retries under one request id: SHA-256 (64 hex digits)
+    over the msgpack form of everything the request says."""
+    return hashlib.sha256(codec.encode([kind, request])).hexdigest()
 
 
 def _epoch_error(sequence_id: str, pool_id: str, epoch: int, current: int) -> errors.KvsError:
@@ -445,22 +449,24 @@ def _epoch_error(sequence_id: str, pool_id: str, epoch: int, current: int) -> er
     if epoch > current:
         return errors.NotFound(f"sequence {sequence_id} not found: pool {pool_id} is at epoch {current}")
     return errors.FailedPrecondition(f"sequence {sequence_id} belongs to epoch {epoch} but pool {pool_id} "
-                                     f"was re-registered (epoch {current})")
+                                     f"was re-registered (epoch {current})", reason="EPOCH_CHANGED")
 
 
 def _check_pool_id(pool_id: str) -> None:
-    if not POOL_ID.fullmatch(pool_id or ""):
-        raise errors.InvalidArgument(f"malformed pool_id {pool_id!r}")
+    try:
+        check_pool_id(pool_id)
+    except ValueError as exc:
+        raise errors.InvalidArgument(str(exc)) from None
 
 
 def _check_lease_id(lease_id: str) -> None:
     if not LEASE_ID.fullmatch(lease_id or ""):
-        raise errors.InvalidArgument(f"malformed lease_id {lease_id!r}")
+        raise errors.InvalidArgument(f"malformed lease_id {echo(lease_id)}")
 
 
 def _check_request_id(request_id: str) -> None:
     if request_id and not REQUEST_ID.fullmatch(request_id):
-        raise errors.InvalidArgument(f"malformed request_id {request_id!r} (1..128 of A-Z a-z 0-9 _ . : -)")
+        raise errors.InvalidArgument(f"malformed request_id {echo(request_id)} (1..128 of A-Z a-z 0-9 _ . : -)")
 
 
 def _check_create(c: Create, max_prompt_tokens: int) -> bytes:

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvservice import errors
+from kvservice.common.settings import echo
 
 
 LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -113,7 +114,7 @@ def parse_sequence_id(sequence_id: str) -> tuple[str, int, int]:
     m = SEQUENCE_ID.fullmatch(sequence_id)
     if m:
         return m.group(1), int(m.group(2)), int(m.group(3))
-    raise errors.InvalidArgument(f"malformed sequence_id {sequence_id!r} (expected <pool>/<epoch>/<n>)")
+    raise errors.InvalidArgument(f"malformed sequence_id {echo(sequence_id)} (expected <pool>/<epoch>/<n>)")
 
 
 def format_sequence_id(pool_id: str, epoch: int, n: int) -> str:

@@ -24,12 +24,25 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``tabs``   hash: sequence number -> its block table, 6 hex digits per block id
 
 Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
+
+Per request (same slot as its pool): ``kvs:{<pool>}:req:<request id>``, the fingerprint
+of the request and its reply (``scripts/lib/request.lua``). Per lease:
+``kvs:{L:<lease>}`` (tenant, TTL, deadline), ``kvs:{L:<lease>}:pools`` (where it holds
+sequences) and ``kvs:{L:<lease>}:place:<request id>`` (where a request's pool-less creates
+were placed). Global: ``kvs:pools`` (the registry of pool ids), ``kvs:pools:next`` (the
+counter of ``pool-<n>`` ids), ``kvs:pools:req:<request id>`` (the id a registration
+without a pool id got), ``kvs:exporter`` (the metrics exporter lease).
+
+Stored records keep a compact text form (a ``seqs`` entry is read and rewritten for every
+update of a step, a ``tabs`` entry grows by string concatenation without being decoded);
+everything that crosses the script boundary is msgpack (``codec``).
 """
 
 from __future__ import annotations
 
 PREFIX = "kvs"
 POOLS = f"{PREFIX}:pools"
+POOL_COUNTER = f"{PREFIX}:pools:next"
 #: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
@@ -48,6 +61,16 @@ def pool_key(pool_id: str, name: str) -> str:
 def request_key(pool_id: str, request_id: str) -> str:
     """Idempotency record of one request in one pool (same slot as the pool)."""
     return f"{PREFIX}:{{{pool_id}}}:req:{request_id}"
+
+
+def pool_id_request_key(request_id: str) -> str:
+    """The pool id that a registration without one got, under its request id."""
+    return f"{PREFIX}:pools:req:{request_id}"
+
+
+def placement_key(lease_id: str, request_id: str) -> str:
+    """Where a request's pool-less creates were placed (same slot as the lease)."""
+    return f"{PREFIX}:{{L:{lease_id}}}:place:{request_id}"
 
 
 def lease_keys(lease_id: str) -> list[str]:

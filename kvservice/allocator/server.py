@@ -46,8 +46,8 @@ async def reaper(allocator: Allocator, interval: float) -> None:
     while True:
         try:
             done = await allocator.reap()
-            if done["leases"] or done["seqs"]:
-                log.info("reaped %d expired leases, %d sequences", done["leases"], done["seqs"])
+            if done["leases"] or done["sequences"]:
+                log.info("reaped %d expired leases, %d sequences", done["leases"], done["sequences"])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - keep sweeping through Redis hiccups

@@ -1,51 +1,24 @@
 """The Redis layer: runs the Lua scripts and reads state; knows nothing of gRPC.
 
-Every mutation is one registered script (EVALSHA, reloaded on NOSCRIPT by redis-py);
-reads that must be consistent are one MULTI/EXEC. Script error codes become
-``kvservice.errors`` exceptions here.
+Every mutation is one registered script (EVALSHA, reloaded on NOSCRIPT by redis-py),
+from the one registry ``kvservice.allocator.lua.SCRIPTS``; arguments and replies go
+through ``kvservice.allocator.codec``, whose decoder turns error replies into
+``kvservice.errors`` exceptions. A Redis error raised inside a script names the script's
+file and line (``lua.LuaScript.explain``). Reads that must be consistent are one MULTI/EXEC.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvservice import errors
-from kvservice.allocator import keys, lua
-
-#: Internal script codes that the allocator handles itself (never reach a client).
-STALE_EPOCH = "STALE_EPOCH"
-
-
-class ScriptError(Exception):
-    """An internal script code that the caller is expected to handle."""
-
-    def __init__(self, code: str, reply: dict[str, Any]) -> None:
-        super().__init__(reply.get("msg", code))
-        self.code = code
-        self.reply = reply
-
-
-def decode_reply(raw: bytes | str, *, internal: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Parses a script's JSON reply; raises the matching domain error for ``err``."""
-    reply = json.loads(raw)
-    code = reply.get("err") if isinstance(reply, dict) else None
-    if code is None:
-        return reply
-    if code in internal:
-        raise ScriptError(code, reply)
-    if code == "RESOURCE_EXHAUSTED":
-        raise errors.ResourceExhausted(reply["msg"], needed=int(reply.get("needed", 0)),
-                                       available=int(reply.get("available", 0)))
-    cls = errors.BY_CODE_NAME.get(code)
-    if cls is None:
-        raise RuntimeError(f"unexpected script reply: {reply}")
-    raise cls(reply["msg"])
+from kvservice.allocator import codec, keys, lua
+from kvservice.allocator.codec import LEASE_UNKNOWN, STALE_EPOCH
 
 
 def blocks_of(table: str | bytes) -> list[int]:
@@ -56,11 +29,13 @@ def blocks_of(table: str | bytes) -> list[int]:
 
 
 def parse_record(meta: bytes | str, table: bytes | str | None) -> dict[str, Any]:
-    """A sequence record ``{l, t, c, k, h, b}`` from its ``seqs`` and ``tabs`` entries."""
+    """A stored sequence record (``keys.py``: ``seqs`` and ``tabs``) as
+    ``{lease_id, num_tokens, num_committed_blocks, num_cached_tokens, last_hash, block_table}``."""
     if isinstance(meta, bytes):
         meta = meta.decode()
     lease, t, c, k, h = meta.split(" ")
-    return {"l": lease, "t": int(t), "c": int(c), "k": int(k), "h": h, "b": blocks_of(table or "")}
+    return {"lease_id": lease, "num_tokens": int(t), "num_committed_blocks": int(c), "num_cached_tokens": int(k),
+            "last_hash": h, "block_table": blocks_of(table or "")}
 
 
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
@@ -75,18 +50,7 @@ class Store:
         self.redis = redis
         #: Called with (script name, seconds) after every script call (metrics hook).
         self.observe = observe
-        self._step = redis.register_script(lua.STEP)
-        self._reap = redis.register_script(lua.REAP)
-        self._register = redis.register_script(lua.REGISTER)
-        self._probe = redis.register_script(lua.PROBE)
-        self._touch = redis.register_script(lua.LEASE_TOUCH)
-        self._grant = redis.register_script(lua.LEASE_GRANT)
-        self._keepalive = redis.register_script(lua.LEASE_KEEPALIVE)
-        self._attach = redis.register_script(lua.LEASE_ATTACH)
-        self._revoke = redis.register_script(lua.LEASE_REVOKE)
-        self._heartbeat = redis.register_script(lua.HEARTBEAT)
-        self._claim = redis.register_script(lua.EXPORTER_CLAIM)
-        self._release = redis.register_script(lua.EXPORTER_RELEASE)
+        self._scripts = {name: redis.register_script(s.source) for name, s in lua.SCRIPTS.items()}
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -94,25 +58,50 @@ class Store:
     async def ping(self) -> None:
         await self.redis.ping()
 
-    async def _call(self, name: str, script: Any, keys_: list[str], args: list[Any]) -> Any:
-        """One script call, timed for ``observe``."""
+    async def _call(self, name: str, keys_: list[str], payload: dict[str, Any], *,
+                    internal: tuple[str, ...] = ()) -> dict[str, Any]:
+        """One script call: ``payload`` encoded, the reply decoded; timed for ``observe``."""
         start = time.perf_counter()
         try:
-            return await script(keys=keys_, args=args)
+            raw = await self._scripts[name](keys=keys_, args=[codec.encode(payload)])
+        except ResponseError as exc:
+            raise _explained(name, exc) from None
         finally:
             if self.observe is not None:
                 self.observe(name, time.perf_counter() - start)
+        return codec.decode_reply(raw, internal=internal)
 
-    async def _pipelined(self, name: str, pipe: Any, count: int, **kwargs: Any) -> list[Any]:
-        """Executes a pipeline of ``count`` calls of one script; each is observed with the pipeline's time."""
+    async def _pipelined(self, name: str, calls: list[tuple[list[str], dict[str, Any]]], *,
+                         internal: tuple[str, ...] = ()) -> list[dict[str, Any] | Exception]:
+        """Calls of one script in one pipeline; each reply decoded, or the exception it
+        raised (a lost connection raises at once). Each call is observed with the
+        pipeline's time."""
+        script = self._scripts[name]
         start = time.perf_counter()
         try:
-            return await pipe.execute(**kwargs)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for keys_, payload in calls:
+                    await script(keys=keys_, args=[codec.encode(payload)], client=pipe)
+                raws = await pipe.execute(raise_on_error=False)
         finally:
             if self.observe is not None:
                 elapsed = time.perf_counter() - start
-                for _ in range(count):
+                for _ in calls:
                     self.observe(name, elapsed)
+        out: list[dict[str, Any] | Exception] = []
+        for raw in raws:
+            if isinstance(raw, (RedisConnectionError, RedisTimeoutError)):
+                raise raw
+            if isinstance(raw, ResponseError):
+                out.append(_explained(name, raw))
+            elif isinstance(raw, Exception):
+                out.append(raw)
+            else:
+                try:
+                    out.append(codec.decode_reply(raw, internal=internal))
+                except Exception as exc:  # noqa: BLE001 - handed back per call
+                    out.append(exc)
+        return out
 
     # ------------------------------------------------------------ pool scripts
 
@@ -121,94 +110,94 @@ class Store:
         """The pool keys plus the request key, as idempotent scripts take them."""
         return keys.pool_keys(pool_id) + [keys.request_key(pool_id, request_id)]
 
+    async def new_pool_id(self, request_id: str, ttl_ms: int) -> str:
+        """A fresh ``pool-<n>`` id; the same one again for a retried request id."""
+        reply = await self._call("new_pool_id", [keys.POOL_COUNTER, keys.pool_id_request_key(request_id)],
+                                 {"request_id": request_id, "ttl_ms": ttl_ms})
+        return reply["pool"]
+
     async def register_pool(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Registers a pool and adds it to the registry, in one script (``register_pool.lua``)."""
         pool_id = payload["pool"]
-        await self.redis.sadd(keys.POOLS, pool_id)
-        raw = await self._call("register", self._register, self._pool_args(pool_id, payload["rid"]),
-                               [json.dumps(payload)])
-        return decode_reply(raw)
+        return await self._call("register_pool", self._pool_args(pool_id, payload["request_id"]) + [keys.POOLS],
+                                payload)
 
     async def step(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
-        """Runs one step script per pool (pipelined); returns each pool's reply or error.
-
-        Each payload is ``{"pool", "rid", "header": dict, "argv": [str]}`` (see ``lua.STEP``).
-        """
-        if len(payloads) == 1:
-            p = payloads[0]
-            raws = [await self._call("step", self._step, self._pool_args(p["pool"], p["rid"]),
-                                     [json.dumps(p["header"]), *p["argv"]])]
-        else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for p in payloads:
-                    await self._step(keys=self._pool_args(p["pool"], p["rid"]),
-                                     args=[json.dumps(p["header"]), *p["argv"]], client=pipe)
-                raws = await self._pipelined("step", pipe, len(payloads), raise_on_error=False)
-        out: list[dict[str, Any] | Exception] = []
-        for raw in raws:
-            if isinstance(raw, (RedisConnectionError, RedisTimeoutError)):
-                raise raw
-            if isinstance(raw, Exception):
-                out.append(raw)
-                continue
+        """Runs one step script per pool (pipelined); returns each pool's reply or error
+        (see ``step.lua`` for the payload)."""
+        calls = [(self._pool_args(p["pool"], p["request_id"]), p) for p in payloads]
+        internal = (STALE_EPOCH, LEASE_UNKNOWN)
+        if len(calls) == 1:
             try:
-                out.append(decode_reply(raw, internal=(STALE_EPOCH, "LEASE_UNKNOWN")))
+                return [await self._call("step", *calls[0], internal=internal)]
+            except (RedisConnectionError, RedisTimeoutError):
+                raise
             except Exception as exc:  # noqa: BLE001 - handed back per pool
-                out.append(exc)
-        return out
+                return [exc]
+        return await self._pipelined("step", calls, internal=internal)
 
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,
                    max_seqs: int = 512, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
-        payload = {"pool": pool_id, "force_lease": force_lease, "max_leases": max_leases,
-                   "max_seqs": max_seqs, "tombstone_ms": tombstone_ms}
-        raw = await self._call("reap", self._reap, keys.pool_keys(pool_id), [json.dumps(payload)])
-        return decode_reply(raw)
+        return await self._call("reap", keys.pool_keys(pool_id),
+                                {"pool": pool_id, "force_lease": force_lease, "max_leases": max_leases,
+                                 "max_seqs": max_seqs, "tombstone_ms": tombstone_ms})
 
     async def heartbeat(self, pool_id: str, epoch: int) -> dict[str, Any]:
-        raw = await self._call("heartbeat", self._heartbeat, [keys.pool_key(pool_id, "meta")], [pool_id, epoch])
-        return decode_reply(raw)
+        return await self._call("heartbeat", [keys.pool_key(pool_id, "meta")], {"pool": pool_id, "epoch": epoch})
 
     async def probe(self, pool_id: str, epoch: int, hashes: list[str]) -> dict[str, Any]:
-        raw = await self._call("probe", self._probe, keys.pool_keys(pool_id),
-                               [json.dumps({"pool": pool_id, "e": epoch, "hs": hashes})])
-        return decode_reply(raw)
+        return await self._call("probe", keys.pool_keys(pool_id),
+                                {"pool": pool_id, "epoch": epoch, "block_hashes": hashes})
 
     # ------------------------------------------------------------ lease scripts
 
     async def grant_lease(self, payload: dict[str, Any]) -> dict[str, Any]:
-        raw = await self._call("lease_grant", self._grant, keys.lease_keys(payload["lease"]), [json.dumps(payload)])
-        return decode_reply(raw)
+        return await self._call("lease_grant", keys.lease_keys(payload["lease_id"]), payload)
 
     async def keep_alive(self, lease_id: str, tombstone_ms: int) -> dict[str, Any]:
-        raw = await self._call("lease_keepalive", self._keepalive, keys.lease_keys(lease_id),
-                               [json.dumps({"lease": lease_id, "tombstone_ms": tombstone_ms})])
-        reply = decode_reply(raw)
-        pools = [p.decode() if isinstance(p, bytes) else p for p in (reply.get("pools") or [])]
+        """Extends the lease, then its deadline in every pool where it holds sequences.
+
+        Raises:
+            the first error of a pool's touch: a lease that is extended but not touched
+            everywhere would be reaped in that pool.
+        """
+        reply = await self._call("lease_keepalive", keys.lease_keys(lease_id),
+                                 {"lease_id": lease_id, "tombstone_ms": tombstone_ms})
+        pools = reply["pools"]
         if pools:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for pool_id in pools:
-                    await self._touch(keys=[keys.pool_key(pool_id, "leases")],
-                                      args=[lease_id, reply["deadline"]], client=pipe)
-                await self._pipelined("lease_touch", pipe, len(pools))
-        reply["pools"] = pools
+            touched = await self._pipelined("lease_touch", [
+                ([keys.pool_key(pool_id, "leases")], {"lease_id": lease_id, "deadline_ms": reply["deadline_ms"]})
+                for pool_id in pools])
+            for result in touched:
+                if isinstance(result, Exception):
+                    raise result
         return reply
 
     async def attach_lease(self, lease_id: str, pools: list[str], tombstone_ms: int) -> dict[str, Any]:
-        raw = await self._call("lease_attach", self._attach, keys.lease_keys(lease_id),
-                               [json.dumps({"lease": lease_id, "pools": pools, "tombstone_ms": tombstone_ms})])
-        return decode_reply(raw)
+        return await self._call("lease_attach", keys.lease_keys(lease_id),
+                                {"lease_id": lease_id, "pools": pools, "tombstone_ms": tombstone_ms})
 
     async def revoke_lease(self, lease_id: str) -> list[str]:
-        raw = await self._call("lease_revoke", self._revoke, keys.lease_keys(lease_id), [json.dumps({"lease": lease_id})])
-        return list(decode_reply(raw).get("pools") or [])
+        reply = await self._call("lease_revoke", keys.lease_keys(lease_id), {"lease_id": lease_id})
+        return list(reply["pools"])
+
+    async def place(self, lease_id: str, request_id: str, fingerprint: str, pools: list[str],
+                    ttl_ms: int) -> list[str]:
+        """The placement of a request's pool-less creates: ``pools`` the first time, the
+        first placement again for a retry (``place.lua``)."""
+        reply = await self._call("place", [keys.placement_key(lease_id, request_id)],
+                                 {"request_id": request_id, "fingerprint": fingerprint, "pools": pools,
+                                  "ttl_ms": ttl_ms})
+        return list(reply["pools"])
 
     # ------------------------------------------------------------ metrics exporter lease
 
     async def claim_exporter(self, replica: str, ttl_ms: int) -> bool:
         """Takes or renews the exporter lease; True if ``replica`` holds it now."""
-        return bool(await self._call("exporter_claim", self._claim, [keys.EXPORTER], [replica, ttl_ms]))
+        return (await self._call("exporter_claim", [keys.EXPORTER], {"replica": replica, "ttl_ms": ttl_ms}))["holder"]
 
     async def release_exporter(self, replica: str) -> bool:
-        return bool(await self._call("exporter_release", self._release, [keys.EXPORTER], [replica]))
+        return (await self._call("exporter_release", [keys.EXPORTER], {"replica": replica}))["released"]
 
     async def now_ms(self) -> int:
         """Redis's clock in milliseconds."""
@@ -311,3 +300,8 @@ class Store:
             "stats": {s(a): int(b) for a, b in stats.items()},
             "counts": self._counts(res[12:]),
         }
+
+
+def _explained(name: str, exc: ResponseError) -> ResponseError:
+    """The same Redis error, its ``user_script:<line>`` mapped to the script's file and line."""
+    return type(exc)(lua.SCRIPTS[name].explain(str(exc)))

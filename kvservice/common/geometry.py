@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvservice import errors
-from kvservice.common.settings import check_block_size, check_in_range
+from kvservice.common.settings import check_block_size, check_in_range, echo
 from kvservice.v1 import allocator_pb2 as pb
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -33,7 +33,7 @@ class Geometry:
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc)) from None
         if self.dtype not in DTYPES:
-            raise errors.InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype[:32]!r}")
+            raise errors.InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {echo(self.dtype)}")
 
     @property
     def bytes_per_block(self) -> int:

@@ -3,18 +3,24 @@
 Servicers never build status codes: they raise ``kvservice.errors`` exceptions (or let
 redis-py's connection errors through) and this interceptor aborts the call with the
 matching code, a message that says what was wrong, and ``google.rpc.Status`` details:
-``ErrorInfo`` always, ``QuotaFailure`` for RESOURCE_EXHAUSTED, and the partial
-``StepResponse`` of a step whose pools did not all succeed.
+``ErrorInfo`` always (its ``reason`` is the error's, UPPER_SNAKE_CASE), ``QuotaFailure``
+for RESOURCE_EXHAUSTED, and the partial ``StepResponse`` of a step whose pools did not
+all succeed.
+
+It also decodes the request itself: a body that is not the method's message answers
+INVALID_ARGUMENT with a one-line warning at most every few seconds (gRPC's own decoder
+logs a traceback per call and answers UNKNOWN).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -32,10 +38,9 @@ PartialEncoder = Callable[[Any], Any]
 
 def status_of(exc: errors.KvsError, encode_partial: PartialEncoder | None = None) -> status_pb2.Status:
     code = exc.code.value[0]
-    info = error_details_pb2.ErrorInfo(reason=type(exc).__name__.upper(), domain=DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN)
     details = []
     if isinstance(exc, errors.ResourceExhausted):
-        info.reason = "BLOCKS_EXHAUSTED"
         info.metadata.update({"pool_id": exc.pool_id, "needed": str(exc.needed),
                               "available": str(exc.available)})
         quota = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
@@ -52,27 +57,71 @@ def status_of(exc: errors.KvsError, encode_partial: PartialEncoder | None = None
     return status_pb2.Status(code=code, message=exc.message, details=packed)
 
 
+class RateLimitedLog:
+    """Logs at most one line per ``interval`` seconds; says how many were held back."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last = -float("inf")
+        self._held = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._held += 1
+            return
+        if self._held:
+            message += f" ({self._held} more like it in the last {now - self._last:.0f} s)"
+        self._last, self._held = now, 0
+        self.logger.warning(message, *args)
+
+
 class UnaryInterceptor(grpc.aio.ServerInterceptor):
     """Base of the server's interceptors: ``wrap(inner, method)`` wraps every unary handler."""
 
     def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         raise NotImplementedError
 
+    def handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            self.wrap(handler.unary_unary, method),
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        return grpc.unary_unary_rpc_method_handler(
-            self.wrap(handler.unary_unary, handler_call_details.method),
-            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        return self.handler(handler, handler_call_details.method)
 
 
 class ErrorInterceptor(UnaryInterceptor):
-    """Maps ``KvsError`` and Redis connection failures onto gRPC statuses."""
+    """Maps ``KvsError``, undecodable requests and Redis connection failures onto gRPC
+    statuses. It must be the innermost interceptor (last in the server's list): it takes
+    the request's bytes and decodes them itself."""
 
     def __init__(self, encode_partial: PartialEncoder | None = None) -> None:
         self.encode_partial = encode_partial
+        self.undecodable = RateLimitedLog(log)
+
+    def handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        guarded = self.wrap(handler.unary_unary, method)
+        deserialize = handler.request_deserializer
+        undecodable = self.undecodable
+
+        async def decoded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                request = deserialize(raw) if deserialize is not None else raw
+            except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
+                undecodable.warning("%s: undecodable request of %d bytes: %s", method, len(raw),
+                                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                await _abort(context, errors.InvalidArgument(
+                    f"the request body is not a valid {method.rsplit('/', 1)[-1]} request message ({len(raw)} bytes)"))
+            return await guarded(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(decoded, request_deserializer=None,
+                                                   response_serializer=handler.response_serializer)
 
     def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         encode = self.encode_partial
@@ -81,12 +130,15 @@ class ErrorInterceptor(UnaryInterceptor):
             try:
                 return await inner(request, context)
             except errors.KvsError as exc:
-                status = rpc_status.to_status(status_of(exc, encode))
-                await context.abort(status.code, status.details, status.trailing_metadata)
+                await _abort(context, exc, encode)
             except REDIS_DOWN as exc:
                 log.warning("%s: Redis unreachable: %s", method, exc)
-                status = rpc_status.to_status(status_pb2.Status(
-                    code=code_pb2.UNAVAILABLE, message=f"the allocator's Redis is unreachable: {exc}"))
-                await context.abort(status.code, status.details, status.trailing_metadata)
+                await _abort(context, errors.Unavailable(f"the allocator's Redis is unreachable: {exc}"))
 
         return guarded
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: errors.KvsError,
+                 encode_partial: PartialEncoder | None = None) -> None:
+    status = rpc_status.to_status(status_of(exc, encode_partial))
+    await context.abort(status.code, status.details, status.trailing_metadata)

@@ -1,0 +1,25 @@
+--- @include "lib/codec"
+--- The 13 keys of one pool, in the order kvservice/allocator/keys.py passes them
+--- (KEYS[1..13]), the pool's registration record and its counters.
+local K_META, K_STATE, K_FREE, K_EVICT, K_REF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local K_H2B, K_B2H, K_SEQS, K_LEASES, K_LSEQ = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local K_DEAD, K_STATS, K_TABS = KEYS[11], KEYS[12], KEYS[13]
+
+-- Returns epoch, num_blocks, block_size of a registered pool; raises NOT_FOUND otherwise.
+local function pool_meta(pool_id)
+  local m = redis.call('HMGET', K_META, 'epoch', 'num_blocks', 'block_size')
+  if not m[1] or not m[2] then bad('NOT_FOUND', 'pool ' .. pool_id .. ' is not registered') end
+  return tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
+end
+
+-- Blocks the pool could give now: free, never used, and evictable.
+local function available_now(num_blocks)
+  local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0
+  return redis.call('LLEN', K_FREE) + (num_blocks - fresh) + redis.call('ZCARD', K_EVICT)
+end
+
+local function incr_stats(stats)
+  for k, v in pairs(stats) do
+    if v ~= 0 then redis.call('HINCRBY', K_STATS, k, v) end
+  end
+end

@@ -1,0 +1,70 @@
+--- reap: frees the sequences of expired leases (or of one revoked lease, force_lease),
+--- a bounded number per call; idempotent, so every replica may run it.
+---
+--- KEYS[1..13]: the pool's keys (kvservice/allocator/keys.py).
+--- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
+---   max_seqs, tombstone_ms}
+--- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
+---   freed), more (whether work is left)}; or an error (lib/codec): NOT_FOUND.
+--- @include "lib/time"
+--- @include "lib/refs"
+
+local p = args()
+local ok, res = guarded(function()
+  local epoch, num_blocks = pool_meta(p.pool)
+  return {epoch = epoch, num_blocks = num_blocks}
+end)
+if not ok then return res end
+local now = now_ms()
+if p.force_lease ~= '' and redis.call('ZSCORE', K_LEASES, p.force_lease) then
+  redis.call('ZADD', K_LEASES, 0, p.force_lease)
+end
+local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, p.max_leases)
+local budget = p.max_seqs
+local nseqs, nleases, more = 0, 0, false
+local del, lseq_del = {}, {}
+for _, lease in ipairs(expired) do
+  if budget <= 0 then more = true; break end
+  local members = redis.call('ZRANGEBYLEX', K_LSEQ, '[' .. lease .. ':', '(' .. lease .. ';', 'LIMIT', 0, budget + 1)
+  local take = math.min(#members, budget)
+  if take > 0 then
+    local ns = {}
+    for i = 1, take do
+      ns[i] = string.sub(members[i], #lease + 2)
+      lseq_del[#lseq_del + 1] = members[i]
+    end
+    local metas = hmget_chunked(K_SEQS, ns)
+    local tabs = hmget_chunked(K_TABS, ns)
+    local recs, blocks = {}, {}
+    for i = 1, take do
+      if metas[i] then
+        local rec = load_rec(metas[i], tabs[i])
+        recs[#recs + 1] = rec
+        for _, b in ipairs(rec_blocks(rec)) do blocks[#blocks + 1] = b end
+        del[#del + 1] = ns[i]
+      end
+    end
+    load_refs(blocks)
+    for _, rec in ipairs(recs) do release(rec) end
+    nseqs = nseqs + #recs
+    budget = budget - take
+  end
+  if #members > take then
+    more = true
+  else
+    redis.call('ZREM', K_LEASES, lease)
+    redis.call('ZADD', K_DEAD, now, lease)
+    nleases = nleases + 1
+  end
+end
+if #expired == p.max_leases then more = true end
+if #del > 0 then
+  call_chunked('HDEL', K_SEQS, del)
+  call_chunked('HDEL', K_TABS, del)
+end
+if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+local stats = {leases_expired = nleases, sequences_reaped = nseqs, sequences_freed = nseqs}
+apply(res.num_blocks, zero_hashed(nil), stats, nil)
+redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
+incr_stats(stats)
+return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, more = more})

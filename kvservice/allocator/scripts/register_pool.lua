@@ -1,0 +1,28 @@
+--- register_pool: registers a pool, or re-registers it: a new epoch, and every block of
+--- the old epoch free again (its sequences, cache entries and leases are dropped). The
+--- pool joins the registry in the same script, so a refused registration leaves no trace.
+---
+--- KEYS[1..13]: the pool's keys (kvservice/allocator/keys.py); KEYS[14]: the request key;
+--- KEYS[15]: the pool registry (a set of pool ids).
+--- ARGV[1]: msgpack map {pool, request_id, fingerprint, request_ttl_ms, num_blocks,
+---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address}
+--- Returns msgpack {pool, epoch, registered_ms}; or an error (lib/codec):
+---   INVALID_ARGUMENT (a used request_id with other arguments).
+--- @include "lib/time"
+--- @include "lib/request"
+--- @include "lib/pool"
+
+local K_REQUEST, K_REGISTRY = KEYS[14], KEYS[15]
+local p = args()
+local prev = replay(K_REQUEST, p)
+if prev then return prev end
+local now = now_ms()
+local epoch = redis.call('HINCRBY', K_META, 'epoch', 1)
+for i = 2, 13 do redis.call('UNLINK', KEYS[i]) end
+redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block_size', p.block_size,
+  'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
+  'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now)
+redis.call('HDEL', K_META, 'heartbeat_ms')
+redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
+redis.call('SADD', K_REGISTRY, p.pool)
+return remember(K_REQUEST, p, reply({pool = p.pool, epoch = epoch, registered_ms = now}))

@@ -1,0 +1,425 @@
+--- step: one engine step in one pool: commits, frees, forks, growth (with copy-on-write)
+--- and creates, all-or-nothing: the whole call is planned and checked, then written.
+---
+--- KEYS[1..13]: the pool's keys (kvservice/allocator/keys.py); KEYS[14]: the request key.
+--- ARGV[1]: msgpack map
+---   pool, request_id ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
+---   lease_deadline_ms (0: the lease is attached to this pool already), max_blocks,
+---   updates = [{sequence (n of <pool>/<epoch>/<n>), epoch, num_tokens (-1: the
+---     allocator's), grow_to (0: no growth), free, num_committed_blocks (the index of the
+---     first commit), parent_hash (hex; '' without commits), fork_grow_to = [length of
+---     each child after the step], commits = [hash hex of each committed block]}],
+---   creates = [{epoch, num_tokens, root_hash (hex), block_hashes = [hex per full block]}]
+--- Returns msgpack {epoch, updates = [{num_tokens, num_committed_blocks, last_hash,
+---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
+---   children = [record]}], created = [record], copies = [[src, dst]]}, where record =
+---   {sequence, num_tokens, num_committed_blocks, num_cached_tokens, last_hash,
+---   block_table, cow = [src, dst] (a child's)}; or an error (lib/codec): NOT_FOUND,
+---   INVALID_ARGUMENT, FAILED_PRECONDITION, PERMISSION_DENIED, RESOURCE_EXHAUSTED
+---   {needed, available}, and the internal STALE_EPOCH {epoch} and LEASE_UNKNOWN.
+--- @include "lib/time"
+--- @include "lib/request"
+--- @include "lib/refs"
+
+local K_REQUEST = KEYS[14]
+local p = args()
+local prev = replay(K_REQUEST, p)
+if prev then return prev end
+local ups, creates = p.updates, p.creates
+local lease = p.lease_id
+
+local function sid_of(u)
+  return p.pool .. '/' .. string.format('%d', u.epoch) .. '/' .. u.field
+end
+
+-- Checks the epochs and the lease; returns the pool's geometry and whether the lease
+-- must be attached to the pool (its first create here).
+local function check_pool_and_lease()
+  local epoch, num_blocks, bs = pool_meta(p.pool)
+  local now = now_ms()
+  for _, u in ipairs(ups) do
+    u.field = string.format('%d', u.sequence)
+    if u.epoch ~= epoch then
+      bad('FAILED_PRECONDITION', 'sequence ' .. sid_of(u) .. ' belongs to epoch ' .. string.format('%d', u.epoch) ..
+        ' but pool ' .. p.pool .. ' was re-registered (epoch ' .. epoch .. ')', {reason = 'EPOCH_CHANGED'})
+    end
+  end
+  for _, c in ipairs(creates) do
+    if c.epoch ~= epoch then bad('STALE_EPOCH', 'pool ' .. p.pool .. ' is at epoch ' .. epoch, {epoch = epoch}) end
+  end
+  -- The lease must be live here, or (for creates) live in its own record.
+  local deadline = tonumber(redis.call('ZSCORE', K_LEASES, lease))
+  local attach = false
+  if not (deadline and deadline > now) then
+    if deadline or redis.call('ZSCORE', K_DEAD, lease) then
+      bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired or was revoked; its sequences were freed',
+        {reason = 'LEASE_EXPIRED'})
+    end
+    if #creates > 0 then
+      if p.lease_deadline_ms == 0 then bad('LEASE_UNKNOWN', 'lease ' .. lease .. ' is not attached to ' .. p.pool) end
+      if not (p.lease_deadline_ms > now) then
+        bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired', {reason = 'LEASE_EXPIRED'})
+      end
+      attach = true
+    end
+  end
+  return epoch, num_blocks, bs, attach
+end
+
+-- Loads every named sequence (owned by the lease) and the reference counts the plan
+-- reads: every block of freed and forked sequences, the last block of the others.
+local function load_sequences(bs)
+  local recs = {}
+  if #ups == 0 then return recs end
+  local fields = {}
+  for i, u in ipairs(ups) do fields[i] = u.field end
+  local metas = hmget_chunked(K_SEQS, fields)
+  local tabs = hmget_chunked(K_TABS, fields)
+  for i, u in ipairs(ups) do
+    if not metas[i] then bad('NOT_FOUND', 'sequence ' .. sid_of(u) .. ' not found') end
+    local rec = load_rec(metas[i], tabs[i])
+    if rec.l ~= lease then bad('PERMISSION_DENIED', 'sequence ' .. sid_of(u) .. ' belongs to another lease') end
+    if u.num_tokens < 0 then u.num_tokens = rec.t end
+    if u.num_tokens < rec.t then
+      bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': num_tokens ' .. u.num_tokens ..
+        ' is below the allocator\'s ' .. rec.t)
+    end
+    if u.num_tokens > rec.nb * bs then
+      bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': num_tokens ' .. u.num_tokens ..
+        ' exceeds its block table (' .. rec.nb .. ' blocks of ' .. bs .. ')')
+    end
+    recs[i] = rec
+  end
+  local want = {}
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    if u.free or #u.fork_grow_to > 0 then
+      rec.blocks = rec_blocks(rec)
+      for _, b in ipairs(rec.blocks) do want[#want + 1] = b end
+      if rec.nb > 0 then rec.lastb = rec.blocks[rec.nb] end
+    elseif rec.nb > 0 then
+      local b = rec_block(rec, rec.nb)
+      rec.lastb = b
+      want[#want + 1] = b
+    end
+  end
+  load_refs(want)
+  return recs
+end
+
+-- Phase 1: lengths and commits. Returns the committed hashes and their blocks.
+local function sync_and_commit(recs, bs)
+  local hashes, blocks = {}, {}
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    if u.num_tokens > rec.t and rec.t % bs ~= 0 and refs[rec.lastb or rec_block(rec, rec.nb)] > 1 then
+      bad('FAILED_PRECONDITION', 'sequence ' .. sid_of(u) ..
+        ': tokens were appended into its shared last block without a step')
+    end
+    rec.t = u.num_tokens
+    local ncm = #u.commits
+    if ncm > 0 then
+      local first = u.num_committed_blocks
+      if first ~= rec.c then
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': commit starts at block ' .. first ..
+          ' but ' .. rec.c .. ' blocks are committed')
+      end
+      if u.parent_hash ~= rec.h then
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': parent_hash does not match its last committed block')
+      end
+      local last = first + ncm
+      if last * bs > u.num_tokens then
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': block ' .. (last - 1) ..
+          ' is not full at num_tokens ' .. u.num_tokens)
+      end
+      for j = 1, ncm do
+        hashes[#hashes + 1] = u.commits[j]
+        local idx = first + j
+        if idx == rec.nb and rec.lastb then
+          blocks[#blocks + 1] = rec.lastb
+        else
+          blocks[#blocks + 1] = rec_block(rec, idx)
+        end
+      end
+      rec.c = last
+      rec.h = u.commits[ncm]
+    end
+  end
+  return hashes, blocks
+end
+
+-- Which hashes are cached already (commits and prompts): hash -> block, or false.
+local function lookup_hashes(commit_hashes)
+  local lookup = commit_hashes
+  if #creates > 0 then
+    lookup = {}
+    for _, h in ipairs(commit_hashes) do lookup[#lookup + 1] = h end
+    for _, c in ipairs(creates) do
+      for _, h in ipairs(c.block_hashes) do lookup[#lookup + 1] = h end
+    end
+  end
+  local known = {}
+  if #lookup > 0 then
+    local got = hmget_chunked(K_H2B, lookup)
+    for i, h in ipairs(lookup) do
+      if got[i] then known[h] = tonumber(got[i]) else known[h] = false end
+    end
+  end
+  return known
+end
+
+-- The hash registrations the plan makes: pending[h] = the block that takes h in this call
+-- (reg_hs / reg_bs in order); dups[h] = a block of this call that holds content already
+-- cached under h in another block (it takes h if that block is evicted by this call).
+local pending, reg_hs, reg_bs, dups = {}, {}, {}, {}
+local function plan_hash(h, b, known)
+  if not known[h] and not pending[h] then
+    pending[h] = b
+    reg_hs[#reg_hs + 1] = h; reg_bs[#reg_bs + 1] = b
+  elseif known[h] and not dups[h] then
+    dups[h] = b
+  end
+end
+
+local function plan_commits(commit_hashes, commit_blocks, known)
+  if #commit_blocks == 0 then return end
+  local fields = {}
+  for j, b in ipairs(commit_blocks) do fields[j] = D[b] or dec(b) end
+  local cur = hmget_chunked(K_B2H, fields)
+  for j, h in ipairs(commit_hashes) do
+    if not cur[j] then plan_hash(h, commit_blocks[j], known) end
+  end
+end
+
+-- Phase 2: frees.
+local function free_sequences(recs)
+  local freed = {}
+  for i, u in ipairs(ups) do
+    if u.free then
+      if #u.fork_grow_to > 0 or u.grow_to > 0 then
+        bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ' cannot be freed and forked or grown in one step')
+      end
+      release(recs[i])
+      freed[i] = true
+    end
+  end
+  return freed
+end
+
+-- Checked before placeholders are made: a grow_to near 2^31 would otherwise plan
+-- millions of blocks (and hold Redis for seconds) before the limit is seen.
+local function need_blocks(n)
+  if nplace + n > p.max_blocks then
+    bad('INVALID_ARGUMENT', 'the step needs at least ' .. (nplace + n) .. ' new blocks; at most ' ..
+      p.max_blocks .. ' per call')
+  end
+end
+
+-- Grows rec to g tokens: new blocks, and copy-on-write of a shared partial last block.
+-- Returns the copy pair {src, dst placeholder} or nil.
+local copies = {}
+local function grow(rec, g, bs)
+  if g <= rec.t then return nil end
+  local nb = rec_len(rec)
+  local last
+  if nb == rec.nb and rec.lastb and not rec.cowlast then last = rec.lastb else last = rec_block(rec, nb) end
+  local shared_tail = rec.t % bs ~= 0 and refs[last] > 1
+  local more = math.ceil(g / bs) - nb
+  need_blocks(more + (shared_tail and 1 or 0))
+  local cow = nil
+  if shared_tail then
+    local dst = placeholder()
+    refs[last] = refs[last] - 1
+    rec.cowlast = dst
+    cow = {last, dst}
+    copies[#copies + 1] = cow
+  end
+  local add = rec.add
+  for _ = 1, more do
+    add[#add + 1] = placeholder()
+  end
+  rec.t = g
+  return cow
+end
+
+-- Phase 3: forks (children share every block, then grow).
+local function fork_sequences(recs, bs)
+  local kids = {}
+  for i, u in ipairs(ups) do
+    if #u.fork_grow_to > 0 then
+      local rec = recs[i]
+      kids[i] = {}
+      for _, g in ipairs(u.fork_grow_to) do
+        local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, tab = rec.tab, nb = rec.nb, add = {},
+                       lastb = rec.lastb}
+        for _, b in ipairs(rec.blocks) do refs[b] = refs[b] + 1 end
+        if g > 0 and g < rec.t then
+          bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': fork_grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
+        end
+        child.cow = grow(child, g, bs)
+        kids[i][#kids[i] + 1] = child
+      end
+    end
+  end
+  return kids
+end
+
+-- Phase 4: growth.
+local function grow_sequences(recs, bs)
+  local cows = {}
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    local g = u.grow_to
+    if g > 0 and g < rec.t then
+      bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
+    end
+    if g > rec.t then cows[i] = grow(rec, g, bs) end
+  end
+  return cows
+end
+
+-- Phase 5: creates (longest cached prefix, never covering the last prompt token).
+local function create_sequences(bs, known, stats)
+  local made = {}
+  for _, c in ipairs(creates) do
+    local hs = c.block_hashes
+    local max_hit = math.floor((c.num_tokens - 1) / bs)
+    local rec = {l = lease, t = c.num_tokens, c = #hs, h = c.root_hash, k = 0, tab = '', nb = 0, add = {}}
+    if #hs > 0 then rec.h = hs[#hs] end
+    local hits = {}
+    for i = 1, math.min(max_hit, #hs) do
+      local b = pending[hs[i]] or known[hs[i]]
+      if not b then break end
+      hits[i] = b
+    end
+    load_refs(hits)
+    local add = rec.add
+    for i, b in ipairs(hits) do
+      refs[b] = refs[b] + 1
+      add[i] = b
+    end
+    local total = math.ceil(c.num_tokens / bs)
+    need_blocks(total - #hits)
+    for i = #hits + 1, total do
+      local b = placeholder()
+      add[i] = b
+      if hs[i] then plan_hash(hs[i], b, known) end
+    end
+    rec.k = #hits * bs
+    stats.prefix_queried_tokens = stats.prefix_queried_tokens + c.num_tokens
+    stats.prefix_hit_tokens = stats.prefix_hit_tokens + rec.k
+    made[#made + 1] = rec
+  end
+  return made
+end
+
+local stats = {prefix_queried_tokens = 0, prefix_hit_tokens = 0}
+local ok, plan = guarded(function()
+  local epoch, num_blocks, bs, attach = check_pool_and_lease()
+  local recs = load_sequences(bs)
+  local commit_hashes, commit_blocks = sync_and_commit(recs, bs)
+  local known = lookup_hashes(commit_hashes)
+  plan_commits(commit_hashes, commit_blocks, known)
+  local freed = free_sequences(recs)
+  local kids = fork_sequences(recs, bs)
+  local cows = grow_sequences(recs, bs)
+  local made = create_sequences(bs, known, stats)
+  local available = available_now(num_blocks) + net_released()
+  if nplace > available then
+    bad('RESOURCE_EXHAUSTED', 'pool ' .. p.pool .. ': needed ' .. nplace .. ' blocks, ' .. available .. ' available',
+      {needed = nplace, available = available})
+  end
+  return {epoch = epoch, num_blocks = num_blocks, recs = recs, kids = kids, cows = cows, made = made,
+          freed = freed, attach = attach}
+end)
+if not ok then return plan end
+
+-- Write phase. Hashes of real blocks first, so that a block committed and freed in one
+-- step is cached (it goes to the evictable set).
+local function register(marked, resolve)
+  local h2b, b2h = {}, {}
+  for k = 1, #reg_hs do
+    local b = resolve(reg_bs[k])
+    if b then
+      local h, s = reg_hs[k], D[b] or dec(b)
+      h2b[#h2b + 1] = h; h2b[#h2b + 1] = s
+      b2h[#b2h + 1] = s; b2h[#b2h + 1] = h
+      if marked then marked[b] = true end
+    end
+  end
+  if #h2b > 0 then
+    call_chunked('HSET', K_H2B, h2b, 2)
+    call_chunked('HSET', K_B2H, b2h, 2)
+  end
+end
+
+stats.cow_copies = #copies
+local by_block = {}
+local hashed = zero_hashed(nil)
+register(by_block, function(b) if b >= 0 then return b end end)
+for b in pairs(by_block) do hashed[b] = true end
+local map = apply(plan.num_blocks, hashed, stats, dups)
+register(nil, function(b) if b < 0 then return map[b] end end)
+
+-- Sequence records, and the reply.
+local nkids, nmade = 0, #plan.made
+for _, ks in pairs(plan.kids) do nkids = nkids + #ks end
+local next_n = 0
+if nkids + nmade > 0 then next_n = redis.call('HINCRBY', K_META, 'next_seq', nkids + nmade) - nkids - nmade end
+local put_meta, put_tab, lseq_add = {}, {}, {}
+
+local function resolved(pair)
+  if not pair then return nil end
+  return {pair[1], map[pair[2]] or pair[2]}
+end
+
+-- Stores a new sequence record (a child or a create) and returns its reply record.
+local function store_new(rec)
+  next_n = next_n + 1
+  local field = string.format('%d', next_n)
+  put_meta[#put_meta + 1] = field; put_meta[#put_meta + 1] = meta_string(rec)
+  put_tab[#put_tab + 1] = field; put_tab[#put_tab + 1] = rec_tab(rec, map)
+  lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. field
+  return {sequence = next_n, num_tokens = rec.t, num_committed_blocks = rec.c, num_cached_tokens = rec.k,
+          last_hash = rec.h, block_table = rec_table(rec, map), cow = resolved(rec.cow)}
+end
+
+local out_updates = {}
+local del, lseq_del = {}, {}
+for i, u in ipairs(ups) do
+  local rec = plan.recs[i]
+  local children = {}
+  for _, child in ipairs(plan.kids[i] or {}) do children[#children + 1] = store_new(child) end
+  local out = {num_tokens = rec.t, num_committed_blocks = rec.c, last_hash = rec.h, children = children,
+               freed = plan.freed[i] == true}
+  if out.freed then
+    del[#del + 1] = u.field
+    lseq_del[#lseq_del + 1] = lease .. ':' .. u.field
+  else
+    put_meta[#put_meta + 1] = u.field; put_meta[#put_meta + 1] = meta_string(rec)
+    if #rec.add > 0 or rec.cowlast then
+      put_tab[#put_tab + 1] = u.field; put_tab[#put_tab + 1] = rec_tab(rec, map)
+    end
+    out.new_blocks = rec_added(rec, map)
+    out.cow = resolved(plan.cows[i])
+  end
+  out_updates[i] = out
+end
+local out_made = {}
+for _, rec in ipairs(plan.made) do out_made[#out_made + 1] = store_new(rec) end
+if #put_meta > 0 then call_chunked('HSET', K_SEQS, put_meta, 2) end
+if #put_tab > 0 then call_chunked('HSET', K_TABS, put_tab, 2) end
+if #del > 0 then
+  call_chunked('HDEL', K_SEQS, del)
+  call_chunked('HDEL', K_TABS, del)
+end
+if #lseq_add > 0 then call_chunked('ZADD', K_LSEQ, lseq_add, 2) end
+if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+local out_copies = {}
+for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end
+stats.sequences_created = nkids + nmade
+stats.sequences_freed = #del
+incr_stats(stats)
+return remember(K_REQUEST, p, reply({epoch = plan.epoch, updates = out_updates, created = out_made,
+                                    copies = out_copies}))
