@@ -254,6 +254,30 @@ for rpc, cls in (("KeepAlive", pb.KeepAliveRequest), ("RevokeLease", pb.RevokeLe
 row("KeepAlive", "revoked-lease", lambda b: pb.KeepAliveRequest(lease_id=b.R), FP, "lease {b.R} was revoked")
 row("KeepAlive", "expired-lease", lambda b: pb.KeepAliveRequest(lease_id=b.E), FP, "lease {b.E} has expired")
 
+
+# -- Sync: the lease (checked by its keep-alive) and each pool's part (checked before it).
+def sync(lease: Callable[[Base], str] = lambda b: b.A, rid: str = "", **pool: Any) -> Callable[[Base], Any]:
+    fields = {"pool_id": "p0", "epoch": 1, **pool}
+    return lambda b: pb.SyncRequest(lease_id=lease(b), request_id=rid, pools=[pb.PoolSync(**fields)])
+
+
+for lid in ("", "bad lease", "l" * 65, "a:b"):
+    row("Sync", f"malformed-lease-{lid[:8]}", sync(lambda b, l=lid: l), IA, f"malformed lease_id {lid!r}")
+row("Sync", "unknown-lease", sync(lambda b: b.U), NF, "lease {b.U} not found")
+row("Sync", "revoked-lease", sync(lambda b: b.R), FP, "lease {b.R} was revoked")
+row("Sync", "expired-lease", sync(lambda b: b.E), FP, "lease {b.E} has expired")
+row("Sync", "malformed-request-id", sync(rid="bad rid"), IA, "malformed request_id 'bad rid'")
+row("Sync", "malformed-pool-id", sync(pool_id="bad pool!"), IA, "malformed pool_id 'bad pool!'")
+row("Sync", "unknown-pool", sync(pool_id="nope"), NF, "pool nope is not registered")
+row("Sync", "epoch-0", sync(epoch=0), IA, "pool p0: epoch must be in 1..2147483647, got 0")
+row("Sync", "stale-epoch", sync(pool_id="p1", epoch=1), FP, "pool p1 is at epoch 2, not 1 (re-registered since)")
+row("Sync", "want-negative", sync(want_blocks=-1), IA, "pool p0: want_blocks -1 is out of range")
+row("Sync", "returned-outside-the-pool", sync(returned_blocks=[NUM_BLOCKS]), IA,
+    f"pool p0: returned block {NUM_BLOCKS} is outside 0..{NUM_BLOCKS - 1}")
+row("Sync", "returned-twice", sync(returned_blocks=[3, 3]), IA, "pool p0: a returned block appears twice")
+row("Sync", "pool-twice", lambda b: pb.SyncRequest(lease_id=b.A, pools=[pb.PoolSync(pool_id="p0", epoch=1)] * 2), IA,
+    "pool p0 appears twice in one Sync")
+
 # -- Sequence ids, shared by GetSequence, Step, ForkSequence and FreeSequences.
 MALFORMED_SIDS = ["", "p0", "p0/1", "p0/x/1", "p0/1/x", "p0/1/2/3", "bad pool/1/1", "p0/-1/1", "p0/1/-1",
                   "p0/1/\u00b2", "p0/\u0661/1", "p0/1/" + "9" * 40]
@@ -620,6 +644,7 @@ def _every_rpc_request(pool: str, lease: str, sid: str) -> dict[str, Any]:
         "FreeSequences": pb.FreeSequencesRequest(lease_id=lease, sequence_ids=[sid]),
         "GetSequence": pb.GetSequenceRequest(sequence_id=sid),
         "Audit": pb.AuditRequest(),
+        "Sync": pb.SyncRequest(lease_id=lease, pools=[pb.PoolSync(pool_id=pool, epoch=1, want_blocks=4)]),
     }
 
 

@@ -1,6 +1,6 @@
 """The allocator's invariants (DESIGN §3), checked on a consistent snapshot of one pool.
 
-- every block is in exactly one of {free, evictable, referenced};
+- every block is in exactly one of {free, evictable, referenced, reserved by one lease};
 - ref(b) equals the number of block tables that hold b;
 - the hash -> block and block -> hash maps agree, and only cached blocks have hashes
   (evictable blocks always do, free blocks never);
@@ -53,17 +53,24 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     free = set(free_list) | set(range(fresh, num_blocks))
     evictable = {b for b, _ in snap["evict"]}
     referenced = set(snap["ref"])
-    for name, group in (("free", free), ("evictable", evictable), ("referenced", referenced)):
+    reserved = {b for _, b in snap["reserve"]}
+    for b, n in Counter(b for _, b in snap["reserve"]).items():
+        if n > 1:
+            bad(f"block {b} is reserved by {n} leases")
+    for lease in sorted({lease for lease, _ in snap["reserve"]} - set(snap["leases"])):
+        bad(f"lease {lease} holds a reserve but is unknown to the pool (it would never be reclaimed)")
+    for name, group in (("free", free), ("evictable", evictable), ("referenced", referenced),
+                        ("reserved", reserved)):
         outside = [b for b in group if not 0 <= b < num_blocks]
         if outside:
             bad(f"{name} blocks outside 0..{num_blocks - 1}: {sorted(outside)[:10]}")
-    for (n1, g1), (n2, g2) in ((("free", free), ("evictable", evictable)),
-                               (("free", free), ("referenced", referenced)),
-                               (("evictable", evictable), ("referenced", referenced))):
-        both = g1 & g2
-        if both:
-            bad(f"blocks both {n1} and {n2}: {sorted(both)[:10]}")
-    missing = set(range(num_blocks)) - free - evictable - referenced
+    groups = (("free", free), ("evictable", evictable), ("referenced", referenced), ("reserved", reserved))
+    for i, (n1, g1) in enumerate(groups):
+        for n2, g2 in groups[i + 1:]:
+            both = g1 & g2
+            if both:
+                bad(f"blocks both {n1} and {n2}: {sorted(both)[:10]}")
+    missing = set(range(num_blocks)) - free - evictable - referenced - reserved
     if missing:
         bad(f"blocks in no set (lost): {sorted(missing)[:10]}")
 
@@ -94,6 +101,8 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             bad(f"block {b} -> hash {h[:12]}.., but that hash -> {h2b.get(h)}")
         if b in free:
             bad(f"free block {b} still has a hash")
+        if b in reserved:
+            bad(f"reserved block {b} has a hash")
     for b in evictable:
         if b not in b2h:
             bad(f"evictable block {b} has no hash")
@@ -120,7 +129,7 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     if counts is not None:
         expect = {"num_free_blocks": len(free), "num_evictable_blocks": len(evictable),
                   "num_used_blocks": len(referenced), "num_sequences": len(snap["seqs"]),
-                  "num_leases": len(snap["leases"])}
+                  "num_leases": len(snap["leases"]), "num_reserved_blocks": len(snap["reserve"])}
         for name, value in expect.items():
             if counts.get(name) != value:
                 bad(f"{name} reports {counts.get(name)} but the set holds {value}")

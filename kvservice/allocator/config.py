@@ -34,6 +34,13 @@ class Settings(EnvSettings):
     max_prompt_tokens: int = 1 << 20
     #: Children one sequence may fork in one step.
     max_forks_per_sequence: int = 256
+    #: A lease's reserve in one pool: at most this share of the pool's blocks...
+    reserve_share: float = 0.01
+    #: ... and never less than this many blocks.
+    reserve_min_blocks: int = 4
+    #: While a pool's free + evictable blocks are below this share of it, the cap drops
+    #: to ``reserve_min_blocks`` (clients return their surplus).
+    reserve_pressure_share: float = 0.05
     #: Lease TTL bounds (seconds).
     min_lease_ttl: float = 0.1
     max_lease_ttl: float = 3600.0
@@ -53,5 +60,8 @@ class Settings(EnvSettings):
                        "metrics_exporter_ttl")
         for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence"):
             check_in_range(name, getattr(self, name), 1, 2**31 - 1)
+        if not (0 <= self.reserve_share <= 1 and 0 <= self.reserve_pressure_share <= 1):
+            raise ValueError("reserve_share and reserve_pressure_share must be in 0..1")
+        check_in_range("reserve_min_blocks", self.reserve_min_blocks, 0, 1 << 20)
         if self.min_lease_ttl > self.max_lease_ttl:
             raise ValueError("min_lease_ttl must not exceed max_lease_ttl")

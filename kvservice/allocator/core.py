@@ -17,8 +17,9 @@ from kvservice import errors
 from kvservice.allocator import codec, hashing
 from kvservice.allocator.codec import STALE_EPOCH, ScriptError
 from kvservice.allocator.config import Settings
-from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, SeqDelta,
-                                        SeqState, StepOutcome, Update, format_sequence_id, parse_sequence_id)
+from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, ReserveGrant,
+                                        ReserveRequest, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
+                                        parse_sequence_id)
 from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
 from kvservice.common.settings import check_pool_id, echo
@@ -166,6 +167,67 @@ class Allocator:
                 if not reply["more"]:
                     break
         return total
+
+    # ------------------------------------------------------------ reserves
+
+    async def sync(self, lease_id: str, pools: list[ReserveRequest],
+                   request_id: str = "") -> tuple[LeaseInfo, list[ReserveGrant]]:
+        """Keeps the lease alive, then refills or takes back its reserve in each pool
+        (one script call per pool, all-or-nothing per pool). See SyncRequest in the proto."""
+        _check_lease_id(lease_id)
+        _check_request_id(request_id)
+        if len(pools) > self.settings.max_items_per_call:
+            raise errors.InvalidArgument(f"{len(pools)} pools in one Sync, at most {self.settings.max_items_per_call}")
+        seen: set[str] = set()
+        for r in pools:
+            _check_pool_id(r.pool_id)
+            if r.pool_id in seen:
+                raise errors.InvalidArgument(f"pool {r.pool_id} appears twice in one Sync")
+            seen.add(r.pool_id)
+            if not 1 <= r.epoch <= MAX_INT:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: epoch must be in 1..{MAX_INT}, got {r.epoch}")
+            if not 0 <= r.want_blocks <= MAX_INT:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: want_blocks {r.want_blocks} is out of range")
+            if len(r.returned_blocks) > self.settings.max_blocks_per_call:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.returned_blocks)} returned blocks, at most "
+                                             f"{self.settings.max_blocks_per_call} per call")
+            if len(set(r.returned_blocks)) != len(r.returned_blocks):
+                raise errors.InvalidArgument(f"pool {r.pool_id}: a returned block appears twice")
+            current, geo = await self.geometry(r.pool_id)
+            if current != r.epoch:
+                current, geo = await self.geometry(r.pool_id, refresh=True)
+                if current != r.epoch:
+                    raise errors.FailedPrecondition(f"pool {r.pool_id} is at epoch {current}, not {r.epoch} "
+                                                    f"(re-registered since)", reason="EPOCH_CHANGED")
+            for b in r.returned_blocks:
+                if not 0 <= b < geo.num_blocks:
+                    raise errors.InvalidArgument(f"pool {r.pool_id}: returned block {b} is outside "
+                                                 f"0..{geo.num_blocks - 1}")
+        lease = await self.keep_alive(lease_id)
+        if not pools:
+            return lease, []
+        _, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
+        grants = await asyncio.gather(*(self._reserve(lease_id, r, deadline, request_id) for r in pools))
+        return lease, list(grants)
+
+    async def _reserve(self, lease_id: str, r: ReserveRequest, deadline: int, request_id: str) -> ReserveGrant:
+        s = self.settings
+        _, geo = await self.geometry(r.pool_id)
+        returned = [int(b) for b in r.returned_blocks]
+        payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
+                   "fingerprint": fingerprint("reserve", [lease_id, r.pool_id, r.epoch, r.want_blocks, returned])
+                   if request_id else "",
+                   "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
+                   "want": r.want_blocks, "cap": max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks)),
+                   "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
+                   "pressure_cap": s.reserve_min_blocks, "returned": returned}
+        try:
+            reply = await self.store.reserve(payload)
+        except ScriptError:   # LEASE_UNKNOWN: the pool forgot the lease (re-registered); attach again
+            self._leases.pop(lease_id, None)
+            _, payload["lease_deadline_ms"] = await self._attach(lease_id, [r.pool_id])
+            reply = await self.store.reserve(payload)
+        return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"])
 
     # ------------------------------------------------------------ sequences
 

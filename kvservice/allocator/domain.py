@@ -86,6 +86,27 @@ class StepOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class ReserveRequest:
+    """What a Sync asks of one pool's reserve (see PoolSync in the proto)."""
+
+    pool_id: str
+    epoch: int
+    want_blocks: int = 0
+    returned_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveGrant:
+    """A lease's reserve in one pool after a Sync."""
+
+    pool_id: str
+    epoch: int
+    granted_blocks: list[int]
+    num_reserved_blocks: int
+    reserve_cap: int
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseInfo:
     lease_id: str
     tenant: str

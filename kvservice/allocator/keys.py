@@ -22,6 +22,8 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``dead``   zset: lease id -> when it was reaped (tombstones, one hour)
 - ``stats``  hash: counters since the epoch began
 - ``tabs``   hash: sequence number -> its block table, 6 hex digits per block id
+- ``reserve`` zset (score 0): ``<lease>:<block id>``, the blocks reserved by each lease
+  (owned by that lease, in no table), read by lexicographic range
 
 Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
 
@@ -46,11 +48,11 @@ POOL_COUNTER = f"{PREFIX}:pools:next"
 #: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
-                  "leases", "lseq", "dead", "stats", "tabs")
+                  "leases", "lseq", "dead", "stats", "tabs", "reserve")
 
 
 def pool_keys(pool_id: str) -> list[str]:
-    """The 13 keys of one pool, in script KEYS order."""
+    """The 14 keys of one pool, in script KEYS order."""
     return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
 
 

@@ -6,7 +6,8 @@ from typing import Any
 
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.core import Allocator
-from kvservice.allocator.domain import Create, LeaseInfo, PoolInfo, SeqDelta, SeqState, StepOutcome, Update
+from kvservice.allocator.domain import (Create, LeaseInfo, PoolInfo, ReserveGrant, ReserveRequest, SeqDelta, SeqState,
+                                        StepOutcome, Update)
 from kvservice.common.geometry import Geometry
 from kvservice.errors import InvalidArgument
 from kvservice.v1 import allocator_pb2 as pb
@@ -33,6 +34,11 @@ def stats_to_pb(info: PoolInfo) -> pb.PoolStats:
 def lease_to_pb(lease: LeaseInfo) -> pb.Lease:
     return pb.Lease(lease_id=lease.lease_id, tenant=lease.tenant, ttl_seconds=lease.ttl_seconds,
                     deadline_ms=lease.deadline_ms)
+
+
+def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
+    return pb.PoolReserve(pool_id=g.pool_id, epoch=g.epoch, granted_blocks=g.granted_blocks,
+                          num_reserved_blocks=g.num_reserved_blocks, reserve_cap=g.reserve_cap)
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
@@ -136,6 +142,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def GetSequence(self, request: pb.GetSequenceRequest, context: Any) -> pb.Sequence:
         return seq_to_pb(await self.a.get_sequence(request.sequence_id))
+
+    async def Sync(self, request: pb.SyncRequest, context: Any) -> pb.SyncResponse:
+        pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks)) for p in request.pools]
+        lease, grants = await self.a.sync(request.lease_id, pools, request.request_id)
+        return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])
 
     async def Audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:
         problems, infos = await run_audit(self.a, request.pool_id)

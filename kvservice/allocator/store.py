@@ -136,6 +136,11 @@ class Store:
                 return [exc]
         return await self._pipelined("step", calls, internal=internal)
 
+    async def reserve(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Refills or takes back a lease's reserve in one pool (``reserve.lua``)."""
+        return await self._call("reserve", self._pool_args(payload["pool"], payload["request_id"]), payload,
+                                internal=(LEASE_UNKNOWN,))
+
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,
                    max_seqs: int = 512, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
         return await self._call("reap", keys.pool_keys(pool_id),
@@ -225,11 +230,12 @@ class Store:
         pipe.hlen(k["ref"])
         pipe.hlen(k["seqs"])
         pipe.zcard(k["leases"])
+        pipe.zcard(k["reserve"])
         pipe.hgetall(k["stats"])
 
     @staticmethod
     def _counts(results: list[Any]) -> dict[str, Any] | None:
-        meta, fresh, nfree, nevict, nref, nseqs, nleases, stats = results
+        meta, fresh, nfree, nevict, nref, nseqs, nleases, nreserved, stats = results
         if not meta or b"num_blocks" not in meta:
             return None
         meta = {a.decode(): b.decode() for a, b in meta.items()}
@@ -240,6 +246,7 @@ class Store:
             "num_used_blocks": nref,
             "num_sequences": nseqs,
             "num_leases": nleases,
+            "num_reserved_blocks": nreserved,
             "stats": {a.decode(): int(b) for a, b in stats.items()},
         }
 
@@ -277,9 +284,10 @@ class Store:
             pipe.zrange(k["lseq"], 0, -1)
             pipe.hgetall(k["stats"])
             pipe.hgetall(k["tabs"])
+            pipe.zrange(k["reserve"], 0, -1)
             self._queue_counts(pipe, pool_id)
             res = await pipe.execute()
-        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs = res[:12]
+        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve = res[:13]
         if not meta or b"num_blocks" not in meta:
             return None
 
@@ -298,7 +306,8 @@ class Store:
             "leases": {s(m): sc for m, sc in leases},
             "lseq": [s(m) for m in lseq],
             "stats": {s(a): int(b) for a, b in stats.items()},
-            "counts": self._counts(res[12:]),
+            "reserve": [(lease, int(b)) for lease, _, b in (s(m).rpartition(":") for m in reserve)],
+            "counts": self._counts(res[13:]),
         }
 
 

@@ -1,13 +1,15 @@
---- reap: frees the sequences of expired leases (or of one revoked lease, force_lease),
---- a bounded number per call; idempotent, so every replica may run it.
+--- reap: frees the sequences and the reserves of expired leases (or of one revoked lease,
+--- force_lease), a bounded number per call; idempotent, so every replica may run it.
 ---
---- KEYS[1..13]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..14]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
 ---   max_seqs, tombstone_ms}
 --- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
----   freed), more (whether work is left)}; or an error (lib/codec): NOT_FOUND.
+---   freed), reserved (reserve blocks reclaimed), more (whether work is left)}; or an
+---   error (lib/codec): NOT_FOUND.
 --- @include "lib/time"
 --- @include "lib/refs"
+--- @include "lib/reserve"
 
 local p = args()
 local ok, res = guarded(function()
@@ -21,7 +23,7 @@ if p.force_lease ~= '' and redis.call('ZSCORE', K_LEASES, p.force_lease) then
 end
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, p.max_leases)
 local budget = p.max_seqs
-local nseqs, nleases, more = 0, 0, false
+local nseqs, nleases, more, reserved = 0, 0, false, 0
 local del, lseq_del = {}, {}
 for _, lease in ipairs(expired) do
   if budget <= 0 then more = true; break end
@@ -55,6 +57,7 @@ for _, lease in ipairs(expired) do
     redis.call('ZREM', K_LEASES, lease)
     redis.call('ZADD', K_DEAD, now, lease)
     nleases = nleases + 1
+    reserved = reserved + reclaim_reserve(lease)
   end
 end
 if #expired == p.max_leases then more = true end
@@ -67,4 +70,4 @@ local stats = {leases_expired = nleases, sequences_reaped = nseqs, sequences_fre
 apply(res.num_blocks, zero_hashed(nil), stats, nil)
 redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
 incr_stats(stats)
-return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, more = more})
+return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, reserved = reserved, more = more})

@@ -2,8 +2,8 @@
 --- the old epoch free again (its sequences, cache entries and leases are dropped). The
 --- pool joins the registry in the same script, so a refused registration leaves no trace.
 ---
---- KEYS[1..13]: the pool's keys (kvservice/allocator/keys.py); KEYS[14]: the request key;
---- KEYS[15]: the pool registry (a set of pool ids).
+--- KEYS[1..14]: the pool's keys (kvservice/allocator/keys.py); KEYS[15]: the request key;
+--- KEYS[16]: the pool registry (a set of pool ids).
 --- ARGV[1]: msgpack map {pool, request_id, fingerprint, request_ttl_ms, num_blocks,
 ---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address}
 --- Returns msgpack {pool, epoch, registered_ms}; or an error (lib/codec):
@@ -12,13 +12,13 @@
 --- @include "lib/request"
 --- @include "lib/pool"
 
-local K_REQUEST, K_REGISTRY = KEYS[14], KEYS[15]
+local K_REQUEST, K_REGISTRY = KEYS[NUM_POOL_KEYS + 1], KEYS[NUM_POOL_KEYS + 2]
 local p = args()
 local prev = replay(K_REQUEST, p)
 if prev then return prev end
 local now = now_ms()
 local epoch = redis.call('HINCRBY', K_META, 'epoch', 1)
-for i = 2, 13 do redis.call('UNLINK', KEYS[i]) end
+for i = 2, NUM_POOL_KEYS do redis.call('UNLINK', KEYS[i]) end
 redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block_size', p.block_size,
   'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now)
