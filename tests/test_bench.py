@@ -10,7 +10,8 @@ from pathlib import Path
 
 REQUIRED = ("floor_us", "step_p50_us", "step_p99_us", "rpcs_per_step", "alloc_us_per_token",
             "create_cold_2k_us", "create_cached_2k_us", "fork_us", "free_us", "script_rpc_us",
-            "script_rpc_p99_us", "decode_free_all_us")
+            "script_rpc_p99_us", "decode_free_all_us", "inproc_us_per_token", "inproc_step_p50_us",
+            "inproc_step_p99_us", "client_cpu_us_per_token")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,7 +30,9 @@ def test_bench_json_has_every_figure():
     assert fig["floor_us"] >= fig["grpc_rtt_us"] and fig["floor_us"] >= fig["redis_ping_us"]
     assert fig["script_rpc_p99_us"] >= fig["script_rpc_us"]
     assert fig["audit_ok"] is True
-    assert set(fig["targets"]) == {"step_p99_us", "alloc_us_per_token", "create_cached_2k_us"}
+    assert 0 <= fig["sync_rpcs_per_step"] <= fig["rpcs_per_step"]
+    assert set(fig["targets"]) == {"step_p99_us", "alloc_us_per_token", "sync_rpcs_per_step", "create_cached_2k_us"}
+    assert fig["targets"]["alloc_us_per_token"]["limit"] == 1.2 * fig["inproc_us_per_token"]
     assert fig["targets_met"] in (True, False)
 
 

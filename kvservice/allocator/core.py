@@ -188,6 +188,15 @@ class Allocator:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: epoch must be in 1..{MAX_INT}, got {r.epoch}")
             if not 0 <= r.want_blocks <= MAX_INT:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: want_blocks {r.want_blocks} is out of range")
+            if r.entries and not 1 <= r.first_entry <= MAX_INT:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: first_entry {r.first_entry} is out of range "
+                                             "(entries are numbered from 1)")
+            if not 0 <= r.want_sequence_numbers <= 1 << 16:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: want_sequence_numbers {r.want_sequence_numbers} "
+                                             f"is out of range (0..{1 << 16})")
+            if len(r.entries) > self.settings.max_items_per_call:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.entries)} journal entries, at most "
+                                             f"{self.settings.max_items_per_call} per call")
             if len(r.returned_blocks) > self.settings.max_blocks_per_call:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.returned_blocks)} returned blocks, at most "
                                              f"{self.settings.max_blocks_per_call} per call")
@@ -203,31 +212,44 @@ class Allocator:
                 if not 0 <= b < geo.num_blocks:
                     raise errors.InvalidArgument(f"pool {r.pool_id}: returned block {b} is outside "
                                                  f"0..{geo.num_blocks - 1}")
+        entries = {}
+        for r in pools:
+            _, geo = await self.geometry(r.pool_id)
+            entries[r.pool_id] = [_entry_payload(e, r.first_entry + i, r.pool_id, geo) for i, e in enumerate(r.entries)]
+            if sum(len(e["blocks"]) for e in entries[r.pool_id]) > self.settings.max_blocks_per_call:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: more than {self.settings.max_blocks_per_call} "
+                                             "blocks in one call")
         lease = await self.keep_alive(lease_id)
         if not pools:
             return lease, []
         _, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
-        grants = await asyncio.gather(*(self._reserve(lease_id, r, deadline, request_id) for r in pools))
+        grants = await asyncio.gather(*(self._sync_pool(lease_id, r, entries[r.pool_id], deadline, request_id)
+                                        for r in pools))
         return lease, list(grants)
 
-    async def _reserve(self, lease_id: str, r: ReserveRequest, deadline: int, request_id: str) -> ReserveGrant:
+    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: list[dict[str, Any]], deadline: int,
+                         request_id: str) -> ReserveGrant:
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
         returned = [int(b) for b in r.returned_blocks]
+        request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries,
+                   r.want_sequence_numbers]
         payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
-                   "fingerprint": fingerprint("reserve", [lease_id, r.pool_id, r.epoch, r.want_blocks, returned])
-                   if request_id else "",
+                   "fingerprint": fingerprint("sync", request) if request_id else "",
                    "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
+                   "first_entry": r.first_entry, "entries": entries,
                    "want": r.want_blocks, "cap": max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks)),
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
-                   "pressure_cap": s.reserve_min_blocks, "returned": returned}
+                   "pressure_cap": s.reserve_min_blocks, "returned": returned,
+                   "want_sequence_numbers": r.want_sequence_numbers}
         try:
-            reply = await self.store.reserve(payload)
+            reply = await self.store.sync(payload)
         except ScriptError:   # LEASE_UNKNOWN: the pool forgot the lease (re-registered); attach again
             self._leases.pop(lease_id, None)
             _, payload["lease_deadline_ms"] = await self._attach(lease_id, [r.pool_id])
-            reply = await self.store.reserve(payload)
-        return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"])
+            reply = await self.store.sync(payload)
+        return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
+                            reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"])
 
     # ------------------------------------------------------------ sequences
 
@@ -376,27 +398,7 @@ class Allocator:
             return payload
         if t < 0:
             raise errors.InvalidArgument(f"sequence {sid}: commits need num_tokens")
-        parent = u.parent_hash
-        if len(parent) != hashing.HASH_BYTES:
-            raise errors.InvalidArgument(f"sequence {sid}: parent_hash must be {hashing.HASH_BYTES} bytes")
-        payload["parent_hash"] = parent.hex()
-        first = commits[0].index
-        if first < 0:
-            raise errors.InvalidArgument(f"sequence {sid}: commit starts at block {first}; block indexes start at 0")
-        bs = geo.block_size
-        hashes = payload["commits"]
-        index = first
-        for c in commits:
-            if c.index != index:
-                raise errors.InvalidArgument(f"sequence {sid}: commits must be consecutive blocks")
-            tokens = c.token_ids
-            if len(tokens) != bs:
-                raise errors.InvalidArgument(
-                    f"sequence {sid}: block {index} has {len(tokens)} tokens, a full block has {bs}")
-            parent = hashing.block_hash_checked(parent, tokens, f"sequence {sid}")
-            hashes.append(parent.hex())
-            index += 1
-        payload["num_committed_blocks"] = first
+        _commit_payload(payload, f"sequence {sid}", u.parent_hash, commits, geo.block_size)
         return payload
 
     async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
@@ -479,6 +481,60 @@ class Allocator:
 
     def _tombstone_ms(self) -> int:
         return int(self.settings.lease_tombstone * 1000)
+
+
+def _commit_payload(payload: dict[str, Any], what: str, parent: bytes, commits: Any, block_size: int) -> None:
+    """Sets ``parent_hash``, ``num_committed_blocks`` and ``commits`` (the hashes, hex) of a
+    step update's or a journal entry's payload from its parent hash and ``BlockCommit``s."""
+    if len(parent) != hashing.HASH_BYTES:
+        raise errors.InvalidArgument(f"{what}: parent_hash must be {hashing.HASH_BYTES} bytes")
+    payload["parent_hash"] = parent.hex()
+    first = commits[0].index
+    if first < 0:
+        raise errors.InvalidArgument(f"{what}: commit starts at block {first}; block indexes start at 0")
+    hashes = payload["commits"]
+    index = first
+    for c in commits:
+        if c.index != index:
+            raise errors.InvalidArgument(f"{what}: commits must be consecutive blocks")
+        tokens = c.token_ids
+        if len(tokens) != block_size:
+            raise errors.InvalidArgument(
+                f"{what}: block {index} has {len(tokens)} tokens, a full block has {block_size}")
+        parent = hashing.block_hash_checked(parent, tokens, what)
+        hashes.append(parent.hex())
+        index += 1
+    payload["num_committed_blocks"] = first
+
+
+#: JournalEntry.Kind values -> the sync script's kinds.
+ENTRY_KINDS = {1: "grow", 2: "copy", 3: "commit", 4: "fork", 5: "free"}
+MAX_SEQUENCE = 10**15 - 1
+
+
+def _entry_payload(e: Any, number: int, pool_id: str, geo: Geometry) -> dict[str, Any]:
+    """A journal entry as the sync script takes it (``scripts/sync.lua``)."""
+    what = f"pool {pool_id}: journal entry {number}"
+    kind = ENTRY_KINDS.get(e.kind)
+    if kind is None:
+        raise errors.InvalidArgument(f"{what}: unknown kind {e.kind}")
+    if not 1 <= e.sequence <= MAX_SEQUENCE:
+        raise errors.InvalidArgument(f"{what}: sequence {e.sequence} is out of range")
+    if not 1 <= e.num_tokens <= MAX_INT:
+        raise errors.InvalidArgument(f"{what}: num_tokens {e.num_tokens} is out of range")
+    blocks = list(e.blocks)
+    for b in blocks:
+        if not 0 <= b < geo.num_blocks:
+            raise errors.InvalidArgument(f"{what}: block {b} is outside 0..{geo.num_blocks - 1}")
+    if kind == "fork" and not 1 <= e.child <= MAX_SEQUENCE:
+        raise errors.InvalidArgument(f"{what}: child {e.child} is out of range")
+    payload = {"kind": kind, "sequence": e.sequence, "num_tokens": e.num_tokens, "blocks": blocks,
+               "num_committed_blocks": 0, "parent_hash": "", "commits": [], "child": e.child}
+    if kind == "commit":
+        if not e.commits:
+            raise errors.InvalidArgument(f"{what}: a commit needs at least one block")
+        _commit_payload(payload, what, e.parent_hash, e.commits, geo.block_size)
+    return payload
 
 
 def _state(pool_id: str, epoch: int, rec: dict[str, Any], lease_id: str, block_size: int) -> SeqState:

@@ -93,6 +93,10 @@ class ReserveRequest:
     epoch: int
     want_blocks: int = 0
     returned_blocks: tuple[int, ...] = ()
+    first_entry: int = 1
+    #: Journal entries (``pb.JournalEntry`` or anything with its fields), read as they are.
+    entries: tuple = ()
+    want_sequence_numbers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,9 @@ class ReserveGrant:
     granted_blocks: list[int]
     num_reserved_blocks: int
     reserve_cap: int
+    applied_entries: int = 0
+    first_sequence_number: int = 0
+    num_sequence_numbers: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,8 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``tabs``   hash: sequence number -> its block table, 6 hex digits per block id
 - ``reserve`` zset (score 0): ``<lease>:<block id>``, the blocks reserved by each lease
   (owned by that lease, in no table), read by lexicographic range
+- ``journal`` hash: lease id -> the number of the last entry of the lease's journal applied
+  in this pool (``scripts/sync.lua``)
 
 Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
 
@@ -48,11 +50,11 @@ POOL_COUNTER = f"{PREFIX}:pools:next"
 #: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
-                  "leases", "lseq", "dead", "stats", "tabs", "reserve")
+                  "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal")
 
 
 def pool_keys(pool_id: str) -> list[str]:
-    """The 14 keys of one pool, in script KEYS order."""
+    """The 15 keys of one pool, in script KEYS order."""
     return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
 
 

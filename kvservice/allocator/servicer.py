@@ -38,7 +38,9 @@ def lease_to_pb(lease: LeaseInfo) -> pb.Lease:
 
 def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
     return pb.PoolReserve(pool_id=g.pool_id, epoch=g.epoch, granted_blocks=g.granted_blocks,
-                          num_reserved_blocks=g.num_reserved_blocks, reserve_cap=g.reserve_cap)
+                          num_reserved_blocks=g.num_reserved_blocks, reserve_cap=g.reserve_cap,
+                          applied_entries=g.applied_entries, first_sequence_number=g.first_sequence_number,
+                          num_sequence_numbers=g.num_sequence_numbers)
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
@@ -144,7 +146,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return seq_to_pb(await self.a.get_sequence(request.sequence_id))
 
     async def Sync(self, request: pb.SyncRequest, context: Any) -> pb.SyncResponse:
-        pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks)) for p in request.pools]
+        pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks), p.first_entry,
+                                tuple(p.entries), p.want_sequence_numbers) for p in request.pools]
         lease, grants = await self.a.sync(request.lease_id, pools, request.request_id)
         return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])
 

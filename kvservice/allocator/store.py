@@ -136,9 +136,9 @@ class Store:
                 return [exc]
         return await self._pipelined("step", calls, internal=internal)
 
-    async def reserve(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Refills or takes back a lease's reserve in one pool (``reserve.lua``)."""
-        return await self._call("reserve", self._pool_args(payload["pool"], payload["request_id"]), payload,
+    async def sync(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A lease's Sync in one pool: its journal, its reserve, sequence numbers (``sync.lua``)."""
+        return await self._call("sync", self._pool_args(payload["pool"], payload["request_id"]), payload,
                                 internal=(LEASE_UNKNOWN,))
 
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,

@@ -1,7 +1,7 @@
 --- reap: frees the sequences and the reserves of expired leases (or of one revoked lease,
 --- force_lease), a bounded number per call; idempotent, so every replica may run it.
 ---
---- KEYS[1..14]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
 ---   max_seqs, tombstone_ms}
 --- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
@@ -58,6 +58,7 @@ for _, lease in ipairs(expired) do
     redis.call('ZADD', K_DEAD, now, lease)
     nleases = nleases + 1
     reserved = reserved + reclaim_reserve(lease)
+    redis.call('HDEL', K_JOURNAL, lease)
   end
 end
 if #expired == p.max_leases then more = true end

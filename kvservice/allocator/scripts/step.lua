@@ -1,7 +1,7 @@
 --- step: one engine step in one pool: commits, frees, forks, growth (with copy-on-write)
 --- and creates, all-or-nothing: the whole call is planned and checked, then written.
 ---
---- KEYS[1..14]: the pool's keys (kvservice/allocator/keys.py); KEYS[15]: the request key.
+--- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py); KEYS[16]: the request key.
 --- ARGV[1]: msgpack map
 ---   pool, request_id ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
 ---   lease_deadline_ms (0: the lease is attached to this pool already), max_blocks,

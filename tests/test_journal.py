@@ -1,0 +1,152 @@
+"""The journal of local changes (DESIGN §5), applied by Sync: numbered entries per (lease,
+pool), in order, each once; against a real server and both Redis flavours."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvservice.v1 import allocator_pb2 as pb
+from kvservice.v1 import allocator_pb2_grpc as pb_grpc
+
+from helpers import TEST_SETTINGS, ServerThread, audit, snapshot, stats
+
+BS = 4
+K = pb.JournalEntry.Kind
+
+
+@pytest.fixture
+def served(any_redis_url):
+    settings = TEST_SETTINGS.replace(reserve_share=0.1, reserve_min_blocks=2)
+    with ServerThread(any_redis_url, settings) as server, grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.AllocatorStub(channel)
+        stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p0", geometry=pb.PoolGeometry(
+            num_blocks=100, block_size=BS, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")))
+        yield server, stub
+
+
+class Lease:
+    """A lease, its reserve and granted sequence numbers, and its journal's numbering."""
+
+    def __init__(self, stub, tenant: str = "t1") -> None:
+        self.stub = stub
+        self.id = stub.GrantLease(pb.GrantLeaseRequest(tenant=tenant, ttl_seconds=60)).lease_id
+        self.next_entry = 1
+        grant = self.sync(want=10, numbers=4)
+        self.reserve = list(grant.granted_blocks)
+        self.numbers = list(range(grant.first_sequence_number, grant.first_sequence_number + 4))
+
+    def sync(self, entries=(), *, first: int | None = None, want: int = 0, numbers: int = 0) -> pb.PoolReserve:
+        first = self.next_entry if first is None else first
+        reply = self.stub.Sync(pb.SyncRequest(lease_id=self.id, pools=[pb.PoolSync(
+            pool_id="p0", epoch=1, want_blocks=want, first_entry=first, entries=list(entries),
+            want_sequence_numbers=numbers)])).pools[0]
+        self.next_entry = max(self.next_entry, reply.applied_entries + 1)
+        return reply
+
+    def create(self, tokens: list[int]) -> pb.Sequence:
+        return self.stub.CreateSequence(pb.CreateSequenceRequest(lease_id=self.id, pool_id="p0", token_ids=tokens))
+
+
+def _n(seq: pb.Sequence) -> int:
+    return int(seq.sequence_id.rsplit("/", 1)[1])
+
+
+def _get(stub, n: int) -> pb.Sequence:
+    return stub.GetSequence(pb.GetSequenceRequest(sequence_id=f"p0/1/{n}"))
+
+
+def test_growth_and_commits_from_the_journal_are_applied_and_feed_the_prefix_cache(served):
+    server, stub = served
+    lease = Lease(stub)
+    tokens = [10, 11, 12, 13, 14, 15]
+    seq = lease.create(tokens)                       # blocks: [full 10-13, partial 14-15]
+    tokens += [16, 17, 18]                            # locally: block 1 fills, block 2 starts
+    r0 = lease.reserve[0]
+    ack = lease.sync([
+        pb.JournalEntry(kind=K.COMMIT, sequence=_n(seq), num_tokens=8, parent_hash=seq.last_hash,
+                        commits=[pb.BlockCommit(index=1, token_ids=tokens[4:8])]),
+        pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=9, blocks=[r0]),
+    ])
+    assert ack.applied_entries == 2 and ack.num_reserved_blocks == 9
+    now = _get(stub, _n(seq))
+    assert list(now.block_table) == [*seq.block_table, r0]
+    assert (now.num_tokens, now.num_committed_blocks) == (9, 2)
+    hit = lease.create(tokens[:8] + [99])
+    assert hit.num_cached_tokens == 8 and list(hit.block_table[:2]) == list(seq.block_table)
+    assert stats(server.redis_url, "p0")["num_reserved_blocks"] == 9
+    assert audit(server.redis_url) == []
+
+
+def test_a_resent_batch_is_applied_once_and_a_batch_after_a_gap_not_at_all(served):
+    server, stub = served
+    lease = Lease(stub)
+    seq = lease.create([1, 2, 3, 4, 5])
+    batch = [pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=9, blocks=[lease.reserve[0]])]
+    assert lease.sync(batch, first=1).applied_entries == 1
+    before = snapshot(server.redis_url, "p0")
+    assert lease.sync(batch, first=1).applied_entries == 1          # the resend: a no-op
+    later = [pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=13, blocks=[lease.reserve[1]])]
+    assert lease.sync(later, first=3).applied_entries == 1          # entry 2 is missing: nothing applied
+    after = snapshot(server.redis_url, "p0")
+    after.pop("leases"), before.pop("leases")
+    assert after == before
+    assert lease.sync(batch + later, first=1).applied_entries == 2  # 1 skipped, 2 applied
+    assert len(_get(stub, _n(seq)).block_table) == 4
+    assert audit(server.redis_url) == []
+
+
+def test_fork_copy_on_write_and_free_locally_journaled(served):
+    server, stub = served
+    lease = Lease(stub)
+    seq = lease.create([1, 2, 3, 4, 5, 6])            # [full, partial (5, 6)]
+    child = lease.numbers[0]
+    r0 = lease.reserve[0]
+    ack = lease.sync([
+        pb.JournalEntry(kind=K.FORK, sequence=_n(seq), num_tokens=6, child=child),
+        pb.JournalEntry(kind=K.COPY, sequence=child, num_tokens=7, blocks=[r0]),   # the child writes first
+        pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=7, blocks=[]),   # the parent's block is its own now
+        pb.JournalEntry(kind=K.FREE, sequence=child, num_tokens=7),
+    ])
+    assert ack.applied_entries == 4
+    assert ack.num_reserved_blocks == 10                # r0 (partial, freed) went back to the reserve
+    assert _get(stub, _n(seq)).num_tokens == 7
+    with pytest.raises(grpc.RpcError) as info:
+        _get(stub, child)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    st = stats(server.redis_url, "p0")
+    assert (st["cow_copies"], st["num_sequences"], st["num_used_blocks"], st["num_reserved_blocks"]) == (1, 1, 2, 10)
+    assert audit(server.redis_url) == []
+
+
+@pytest.mark.parametrize("case", ["block-not-reserved", "shared-block-without-copy", "child-not-granted",
+                                  "other-lease", "below-recorded-length", "commit-not-full"])
+def test_an_entry_that_does_not_fit_is_refused_and_nothing_of_the_batch_is_applied(served, case):
+    server, stub = served
+    lease, other = Lease(stub), Lease(stub, tenant="t2")
+    seq = lease.create([1, 2, 3, 4, 5, 6])
+    n = _n(seq)
+    ok = pb.JournalEntry(kind=K.GROW, sequence=n, num_tokens=9, blocks=[lease.reserve[0]])
+    bad = {
+        "block-not-reserved": pb.JournalEntry(kind=K.GROW, sequence=n, num_tokens=13, blocks=[other.reserve[0]]),
+        "shared-block-without-copy": None,
+        "child-not-granted": pb.JournalEntry(kind=K.FORK, sequence=n, num_tokens=9, child=10**6),
+        "other-lease": pb.JournalEntry(kind=K.FREE, sequence=_n(other.create([7, 8])), num_tokens=2),
+        "below-recorded-length": pb.JournalEntry(kind=K.FREE, sequence=n, num_tokens=5),
+        "commit-not-full": pb.JournalEntry(kind=K.COMMIT, sequence=n, num_tokens=9, parent_hash=seq.last_hash,
+                                           commits=[pb.BlockCommit(index=1, token_ids=[5, 6, 7, 8]),
+                                                    pb.BlockCommit(index=2, token_ids=[9, 9, 9, 9])]),
+    }[case]
+    entries = [ok, bad]
+    if case == "shared-block-without-copy":
+        entries = [pb.JournalEntry(kind=K.FORK, sequence=n, num_tokens=6, child=lease.numbers[0]),
+                   pb.JournalEntry(kind=K.GROW, sequence=n, num_tokens=7, blocks=[])]
+    before = snapshot(server.redis_url, "p0")
+    with pytest.raises(grpc.RpcError) as info:
+        lease.sync(entries)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "journal entry 2" in info.value.details(), info.value.details()
+    after = snapshot(server.redis_url, "p0")
+    after.pop("leases"), before.pop("leases")
+    assert after == before
+    assert audit(server.redis_url) == []
