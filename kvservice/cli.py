@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=512, help="decode steps (default 512)")
     p.add_argument("--block-size", type=int, default=16, help="block size (default 16)")
     p.add_argument("--repeat", type=int, default=200, help="samples per latency figure (default 200)")
+    p.add_argument("--remote", action="store_true",
+                   help="measure the SDK without local ownership (every change through a Step RPC) instead of "
+                        "the default journaled SDK")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 

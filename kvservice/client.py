@@ -27,15 +27,17 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from kvservice import errors
+from kvservice.common import hashing
 from kvservice.common.geometry import Geometry
 from kvservice.common.grpc import RETRYABLE
+from kvservice.journal import PoolJournal
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -79,6 +81,7 @@ class Sequence:
     def __init__(self, client: "Client", state: pb.Sequence, tail: list[int], private: bool) -> None:
         self.client = client
         self.id = state.sequence_id
+        self.number = int(self.id.rsplit("/", 1)[1])   # n of <pool>/<epoch>/<n>
         self.pool = state.pool_id
         self.epoch = state.epoch
         self.block_size = state.block_size
@@ -165,19 +168,36 @@ class Client:
     """
 
     def __init__(self, target: str, *, tenant: str = "default", lease_ttl: float = 10.0,
-                 timeout: float = 10.0, keepalive: bool = True) -> None:
+                 timeout: float = 10.0, keepalive: bool = True, local: bool = False,
+                 flush_interval: float = 0.005) -> None:
         self.target = target
         self.timeout = timeout
         self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
         self.stub = pb_grpc.AllocatorStub(self.channel)
-        self.rpc_count = 0          # RPCs made by this client, keep-alives excepted
+        self.rpc_count = 0          # RPCs made on the caller's thread, keep-alives excepted
         self.closed = False
         self.lease_error: errors.KvsError | None = None
+        #: With ``local``: growth, copy-on-write, commits, forks and frees change local state
+        #: at once and reach the allocator through the journal (``Sync``, in the background).
+        self.local = local
+        self.flush_interval = flush_interval
+        self.sync_count = 0         # Syncs sent by the flusher thread
+        self.journal_error: errors.KvsError | None = None
+        self._journals: dict[str, PoolJournal] = {}
+        self._unlogged: set[Sequence] = set()   # lengths the journal has not said yet
+        self._lock = threading.RLock()
+        self._sync_lock = threading.Lock()
+        self._wake = threading.Event()
+        granted_at = time.monotonic()
         self.lease = self._call(self.stub.GrantLease, pb.GrantLeaseRequest(
             tenant=tenant, ttl_seconds=lease_ttl, request_id=_request_id()))
+        self._alive_until = granted_at + _fence(self.lease.ttl_seconds)
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-        if keepalive:
+        if local:
+            self._keeper = threading.Thread(target=self._flusher, name="kvservice-flusher", daemon=True)
+            self._keeper.start()
+        elif keepalive:
             self._keeper = threading.Thread(target=self._keep_alive, name="kvservice-keepalive", daemon=True)
             self._keeper.start()
 
@@ -223,6 +243,12 @@ class Client:
         creates = [c if isinstance(c, tuple) else (list(c), "", b"") for c in creates]
         if frees or forks:
             _check_step(self, appends, forks, frees)
+        if self.local:
+            return self._step_local(appends, forks, frees, creates)
+        return self._step_remote(appends, forks, frees, creates)
+
+    def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list) -> StepResult:
+        """A step whose ownership changes go to the allocator in one Step RPC."""
         # Plan without building anything for the (many) sequences that stay local: this
         # loop runs over every sequence of every decode step (see docs/benchmark.md). It
         # also checks the appends; nothing is changed until the whole step is planned.
@@ -337,6 +363,259 @@ class Client:
                 result.created.append(Sequence(self, state, list(tokens[c:]), private=True))
         result.copies.extend(CopyPair(c.pool_id, c.src, c.dst) for c in response.copies)
 
+    # ------------------------------------------------------------ local ownership (``local``)
+
+    def _step_local(self, appends: dict, forks: dict, frees: list, creates: list) -> StepResult:
+        """A step whose ownership changes are local: no RPC unless it creates sequences
+        (the prefix lookup is global) or a pool's reserve cannot cover it."""
+        self._check_alive()
+        for s, tokens in appends.items():
+            if s.__class__ is not Sequence and not isinstance(s, Sequence) or s.client is not self:
+                raise ValueError(f"{s!r} is not a sequence of this client")
+            if s.freed:
+                raise ValueError(f"sequence {s.id} was freed")
+            for t in tokens:
+                if t.__class__ is not int and (not isinstance(t, int) or isinstance(t, bool)):
+                    raise TypeError(f"token ids must be int, got {t!r} for sequence {s.id}")
+        for s in (*forks, *frees):
+            if s.freed:
+                raise ValueError(f"sequence {s.id} was freed")
+        self._ensure_reserves(appends, forks)
+        result = StepResult()
+        with self._lock:
+            for s in frees:
+                self._free_local(s)
+            for s, children in forks.items():
+                kids = result.children.setdefault(s.id, [])
+                for tokens in children:
+                    child = self._fork_local(s)
+                    kids.append(child)
+                    if tokens:
+                        self._append_local(child, list(tokens), result)
+            for s, tokens in appends.items():
+                if tokens:
+                    self._append_local(s, tokens, result)
+            if any(j.low() for j in self._journals.values()):
+                self._wake.set()
+        if creates:
+            # The prefix lookup needs no pending change applied first (a pending commit can
+            # only make it miss, a pending free only leave a block referenced a little
+            # longer); the pool's capacity may: then flush and try once more.
+            try:
+                created = self._step_remote({}, {}, [], creates)
+            except errors.ResourceExhausted:
+                if not any(j.pending for j in self._journals.values()):
+                    raise
+                self.flush()
+                created = self._step_remote({}, {}, [], creates)
+            with self._lock:
+                for seq in created.created:
+                    self._journal(seq).hold(seq._table)
+            result.created = created.created
+            result.copies.extend(created.copies)
+            result.rpc = True
+        return result
+
+    def _journal(self, s: "Sequence") -> PoolJournal:
+        pj = self._journals.get(s.pool)
+        if pj is None:
+            pj = self._journals[s.pool] = PoolJournal(s.pool, s.epoch, s.block_size)
+        return pj
+
+    def _ensure_reserves(self, appends: dict, forks: dict) -> None:
+        """Makes sure each pool's reserve and sequence numbers cover the step (an
+        overestimate), with a synchronous Sync when they do not; else ResourceExhausted."""
+        def shortfall() -> dict[str, tuple[int, int]]:
+            short: dict[str, tuple[int, int]] = {}
+            with self._lock:
+                need: dict[str, list[int]] = {}
+                for s, children in forks.items():
+                    n = need.setdefault(s.pool, [0, 0])
+                    n[1] += len(children)
+                    for tokens in children:
+                        if tokens:
+                            n[0] += self._blocks_for(s, len(tokens), True)
+                for s, tokens in appends.items():
+                    if tokens:
+                        need.setdefault(s.pool, [0, 0])[0] += self._blocks_for(s, len(tokens), s in forks)
+                for pool, (blocks, numbers) in need.items():
+                    pj = self._journals[pool]
+                    if len(pj.reserve) < blocks or len(pj.numbers) < numbers:
+                        short[pool] = (blocks, numbers)
+            return short
+
+        for attempt in range(2):
+            short = shortfall()
+            if not short:
+                return
+            if attempt:
+                pool, (blocks, _) = next(iter(short.items()))
+                have = len(self._journals[pool].reserve)
+                raise errors.ResourceExhausted(f"pool {pool}: the step needs up to {blocks} blocks, the lease's "
+                                               f"reserve holds {have}", pool_id=pool, needed=blocks, available=have)
+            self._sync_once(short, recheck=shortfall)
+
+    def _blocks_for(self, s: "Sequence", added: int, forked: bool) -> int:
+        bs = s.block_size
+        t = s._num_tokens
+        copy = 1 if t % bs and (forked or self._journals[s.pool].shared(s._table[-1])) else 0
+        return copy + max(0, -(-(t + added) // bs) - len(s._table))
+
+    def _append_local(self, s: "Sequence", tokens: list[int], result: StepResult) -> None:
+        pj = self._journals[s.pool]
+        bs = s.block_size
+        t0 = s._num_tokens
+        table = s._table
+        if t0 % bs and pj.refs.get(table[-1], 0) > 1:     # copy-on-write of the shared partial block
+            src = table[-1]
+            dst = pj.take()
+            pj.refs[src] -= 1
+            table[-1] = dst
+            pj.log(pb.JournalEntry(kind=pb.JournalEntry.COPY, sequence=s.number, num_tokens=t0, blocks=[dst]))
+            result.copies.append(CopyPair(s.pool, src, dst))
+        t1 = t0 + len(tokens)
+        grow = -(-t1 // bs) - len(table)
+        blocks = [pj.take() for _ in range(grow)] if grow > 0 else []
+        table.extend(blocks)
+        s._tail.extend(tokens)
+        s._num_tokens = t1
+        full = t1 // bs
+        if full > s._committed:      # one entry: the growth and the blocks that filled
+            commits = s._pending_commits()
+            parent = last = s._last_hash
+            for c in commits:
+                last = hashing.block_hash(last, c.token_ids)
+            pj.log(pb.JournalEntry(kind=pb.JournalEntry.GROW, sequence=s.number, num_tokens=t1, blocks=blocks,
+                                   parent_hash=parent, commits=commits))
+            s._apply_commits(full, last)
+        elif blocks:
+            pj.log(pb.JournalEntry(kind=pb.JournalEntry.GROW, sequence=s.number, num_tokens=t1, blocks=blocks))
+        else:
+            self._unlogged.add(s)        # the allocator learns this length later (flush: at once)
+
+    def _fork_local(self, s: "Sequence") -> "Sequence":
+        pj = self._journals[s.pool]
+        n = pj.numbers.popleft()
+        state = pb.Sequence(sequence_id=f"{s.pool}/{s.epoch}/{n}", pool_id=s.pool, epoch=s.epoch,
+                            block_table=s._table, num_tokens=s._num_tokens, num_cached_tokens=s.num_cached_tokens,
+                            num_committed_blocks=s._committed, last_hash=s._last_hash, block_size=s.block_size)
+        child = Sequence(self, state, list(s._tail), private=False)
+        pj.hold(s._table)
+        pj.log(pb.JournalEntry(kind=pb.JournalEntry.FORK, sequence=s.number, num_tokens=s._num_tokens, child=n))
+        return child
+
+    def _free_local(self, s: "Sequence") -> None:
+        pj = self._journals[s.pool]
+        self._unlogged.discard(s)
+        pj.log(pb.JournalEntry(kind=pb.JournalEntry.FREE, sequence=s.number, num_tokens=s._num_tokens))
+        pj.release(s._table, s._num_tokens)
+        s.freed = True
+
+    def flush(self) -> None:
+        """A barrier: returns once the allocator has applied every local change made so
+        far (and the lease was kept alive)."""
+        if not self.local:
+            return
+        with self._lock:
+            for s in self._unlogged:
+                if not s.freed:
+                    self._journals[s.pool].log(pb.JournalEntry(kind=pb.JournalEntry.GROW, sequence=s.number,
+                                                               num_tokens=s._num_tokens))
+            self._unlogged.clear()
+        for _ in range(5):
+            self._sync_once()
+            with self._lock:
+                if not any(j.pending for j in self._journals.values()):
+                    return
+        raise errors.Unavailable("the journal could not be flushed")
+
+    def _sync_once(self, short: dict[str, tuple[int, int]] | None = None, *, background: bool = False,
+                   recheck: Callable[[], dict] | None = None) -> None:
+        """One Sync: every pool's pending entries, refills and returns; a keep-alive.
+        ``recheck``: a shortfall that the Sync in flight (the flusher's) may have covered
+        already: it is asked again once that one is done, and no Sync is sent if it is."""
+        with self._sync_lock:
+            if recheck is not None:
+                short = recheck()
+                if not short:
+                    return
+            with self._lock:
+                journals = list(self._journals.values())
+                pools = []
+                for pj in journals:
+                    request = pj.sync_request()
+                    if short and pj.pool_id in short:
+                        blocks, numbers = short[pj.pool_id]
+                        request.need_blocks = blocks
+                        request.want_sequence_numbers = max(request.want_sequence_numbers, numbers + pj.NUMBERS)
+                    pools.append(request)
+                sent_at = time.monotonic()
+            request = pb.SyncRequest(lease_id=self.lease_id, request_id=_request_id(), pools=pools)
+            try:
+                if background:
+                    self.sync_count += 1
+                    reply = self.stub.Sync(request, timeout=self.timeout)
+                else:
+                    reply = self._call(self.stub.Sync, request)
+            except (grpc.RpcError, errors.KvsError) as exc:
+                err = to_domain_error(exc) if isinstance(exc, grpc.RpcError) else exc
+                with self._lock:
+                    for pj in journals:
+                        pj.sync_failed()
+                if isinstance(err, (errors.NotFound, errors.LeaseExpired)):
+                    self.lease_error = err
+                elif isinstance(err, (errors.InvalidArgument, errors.FailedPrecondition, errors.PermissionDenied)):
+                    self.journal_error = err      # the allocator refused the journal: nothing more can apply
+                # (anything else, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED...: the next Sync resends)
+                if background:
+                    return
+                raise err from None
+            with self._lock:
+                for pj, ack in zip(journals, reply.pools):
+                    pj.synced(ack)
+                self._alive_until = sent_at + _fence(self.lease.ttl_seconds)
+
+    def _flusher(self) -> None:
+        """Sends the journal every ``flush_interval`` while there is something to send,
+        and a Sync at least every TTL / 3 (the keep-alive)."""
+        keepalive_every = max(self.lease.ttl_seconds / 3, 0.05)
+        last = time.monotonic()
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_interval)
+            self._wake.clear()
+            if self._stop.is_set() or self.lease_error is not None:
+                return
+            with self._lock:
+                busy = any(j.pending or j.returning or j.low() or (j.cap and len(j.reserve) > j.cap)
+                           for j in self._journals.values())
+            now = time.monotonic()
+            if busy or now - last >= keepalive_every:
+                self._sync_once(background=True)
+                last = now
+
+    def reserved_blocks(self) -> int:
+        """Blocks this client holds in reserve, over all pools (its own view)."""
+        with self._lock:
+            return sum(len(j.reserve) + len(j.returning) for j in self._journals.values())
+
+    def journal_lags(self) -> list[float]:
+        """Seconds from a local change to the allocator's acknowledgement of it, for the
+        recent changes of every pool."""
+        with self._lock:
+            return [lag for j in self._journals.values() for lag in j.lags]
+
+    def _check_alive(self) -> None:
+        """LeaseExpired once the lease may have expired (the fence, on our own clock)."""
+        if self.lease_error is not None:
+            raise self.lease_error
+        if self.journal_error is not None:
+            raise self.journal_error
+        if time.monotonic() > self._alive_until:
+            self.lease_error = errors.LeaseExpired(
+                f"lease {self.lease_id} may have expired: no keep-alive went through for "
+                f"{self.lease.ttl_seconds:g} s minus a margin; no further change is made")
+            raise self.lease_error
+
     def get(self, sequence_id: str) -> pb.Sequence:
         """The allocator's view of a sequence."""
         return self._call(self.stub.GetSequence, pb.GetSequenceRequest(sequence_id=sequence_id))
@@ -391,8 +670,11 @@ class Client:
         if self.closed:
             return
         self._stop.set()
+        self._wake.set()
         if self._keeper is not None:
             self._keeper.join(timeout=5)
+        if self.local and not revoke and self.lease_error is None:
+            self.flush()
         try:
             if revoke:
                 try:
@@ -432,6 +714,8 @@ def to_domain_error(exc: grpc.RpcError) -> errors.KvsError:
                 detail.Unpack(partial)
     reason = info.reason or None
     meta = info.metadata
+    if reason == "LEASE_EXPIRED":
+        cls = errors.LeaseExpired
     if cls is errors.ResourceExhausted:
         err: errors.KvsError = errors.ResourceExhausted(
             message, pool_id=meta.get("pool_id", ""), needed=_int(meta.get("needed")),
@@ -448,6 +732,12 @@ def _int(text: str | None) -> int:
         return int(text or 0)
     except ValueError:
         return 0
+
+
+def _fence(ttl: float) -> float:
+    """How long after a keep-alive was sent the lease is surely still alive: the TTL minus
+    a margin (a tenth of it, at least 50 ms) for clock drift and the reply's way back."""
+    return ttl - max(0.05, ttl / 10)
 
 
 def _request_id() -> str:

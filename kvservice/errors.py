@@ -72,6 +72,14 @@ class FailedPrecondition(KvsError):
     reason = "FAILED_PRECONDITION"
 
 
+class LeaseExpired(FailedPrecondition):
+    """The lease expired or was revoked; its sequences are gone. The SDK also raises it,
+    before any change (local ones included), once its lease may have expired: no
+    successful keep-alive for the TTL minus a margin, on its own monotonic clock."""
+
+    reason = "LEASE_EXPIRED"
+
+
 class PermissionDenied(KvsError):
     """A sequence named under a lease that does not own it."""
 

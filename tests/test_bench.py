@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REQUIRED = ("floor_us", "step_p50_us", "step_p99_us", "rpcs_per_step", "alloc_us_per_token",
+REQUIRED = ("floor_us", "step_p50_us", "step_p99_us", "alloc_us_per_token",
             "create_cold_2k_us", "create_cached_2k_us", "fork_us", "free_us", "script_rpc_us",
             "script_rpc_p99_us", "decode_free_all_us", "inproc_us_per_token", "inproc_step_p50_us",
             "inproc_step_p99_us", "client_cpu_us_per_token")
@@ -25,15 +25,30 @@ def test_bench_json_has_every_figure():
     for key in REQUIRED:
         assert key in fig, f"missing {key}"
         assert isinstance(fig[key], (int, float)) and fig[key] > 0, f"{key} = {fig[key]!r}"
-    # Block-boundary crossings are spread over the steps: some RPC most steps, never more than one.
-    assert 0 < fig["rpcs_per_step"] <= 1
+    # The journaled SDK (the default): the decode steps' changes go through the journal.
+    assert 0 <= fig["sync_rpcs_per_step"] == fig["rpcs_per_step"] <= 1
+    assert fig["journal_lag_p99_ms"] >= fig["journal_lag_p50_ms"] > 0
+    assert 0 < fig["reserved_unused_p99_share"] < 1
     assert fig["floor_us"] >= fig["grpc_rtt_us"] and fig["floor_us"] >= fig["redis_ping_us"]
     assert fig["script_rpc_p99_us"] >= fig["script_rpc_us"]
     assert fig["audit_ok"] is True
     assert 0 <= fig["sync_rpcs_per_step"] <= fig["rpcs_per_step"]
-    assert set(fig["targets"]) == {"step_p99_us", "alloc_us_per_token", "sync_rpcs_per_step", "create_cached_2k_us"}
+    assert set(fig["targets"]) == {"step_p99_us", "alloc_us_per_token", "sync_rpcs_per_step", "create_cached_2k_us",
+                                   "journal_lag_p99_ms", "reserved_unused_p99_share"}
     assert fig["targets"]["alloc_us_per_token"]["limit"] == 1.2 * fig["inproc_us_per_token"]
     assert fig["targets_met"] in (True, False)
+
+
+def test_bench_remote_measures_the_step_path():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvservice", "bench", "--sequences", "16", "--steps", "40", "--repeat", "10",
+         "--json", "--remote"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fig = json.loads(proc.stdout)
+    # Block-boundary crossings are spread over the steps: some RPC most steps, never more than one.
+    assert 0 < fig["rpcs_per_step"] <= 1 and fig["sync_rpcs_per_step"] == fig["rpcs_per_step"]
+    assert "journal_lag_p99_ms" not in fig and "journal_lag_p99_ms" not in fig["targets"]
+    assert fig["audit_ok"] is True
 
 
 def test_bench_target_needs_redis_url():

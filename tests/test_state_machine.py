@@ -59,7 +59,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvservice import errors
-from kvservice.allocator import hashing, keys
+from kvservice.allocator import keys
+from kvservice.common import hashing
 from kvservice.client import Client
 
 from helpers import ServerThread, audit

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvservice import errors
-from kvservice.allocator import hashing
+from kvservice.common import hashing
 from kvservice.allocator.config import Settings
 from kvservice.allocator.domain import format_sequence_id, parse_sequence_id
 from kvservice.common.geometry import Geometry
@@ -36,7 +36,7 @@ def test_hashes_depend_on_salt_extra_key_parent_and_every_token():
         changed[i] += 1
         assert hashing.block_hash(a, changed) != h
     # Stable across processes (not Python's salted hash()).
-    code = "from kvservice.allocator import hashing; print(hashing.block_hash(hashing.root_hash('acme'), range(16)).hex())"
+    code = "from kvservice.common import hashing; print(hashing.block_hash(hashing.root_hash('acme'), range(16)).hex())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
     assert other == h.hex()

@@ -14,7 +14,8 @@ from collections import defaultdict
 from typing import Any
 
 from kvservice import errors
-from kvservice.allocator import codec, hashing
+from kvservice.allocator import codec
+from kvservice.common import hashing
 from kvservice.allocator.codec import STALE_EPOCH, ScriptError
 from kvservice.allocator.config import Settings
 from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, ReserveGrant,
@@ -188,6 +189,9 @@ class Allocator:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: epoch must be in 1..{MAX_INT}, got {r.epoch}")
             if not 0 <= r.want_blocks <= MAX_INT:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: want_blocks {r.want_blocks} is out of range")
+            if not 0 <= r.need_blocks <= self.settings.max_blocks_per_call:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: need_blocks {r.need_blocks} is out of range "
+                                             f"(0..{self.settings.max_blocks_per_call})")
             if r.entries and not 1 <= r.first_entry <= MAX_INT:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: first_entry {r.first_entry} is out of range "
                                              "(entries are numbered from 1)")
@@ -233,7 +237,7 @@ class Allocator:
         _, geo = await self.geometry(r.pool_id)
         returned = [int(b) for b in r.returned_blocks]
         request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries,
-                   r.want_sequence_numbers]
+                   r.want_sequence_numbers, r.need_blocks]
         payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
                    "fingerprint": fingerprint("sync", request) if request_id else "",
                    "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
@@ -241,7 +245,7 @@ class Allocator:
                    "want": r.want_blocks, "cap": max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks)),
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
                    "pressure_cap": s.reserve_min_blocks, "returned": returned,
-                   "want_sequence_numbers": r.want_sequence_numbers}
+                   "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks}
         try:
             reply = await self.store.sync(payload)
         except ScriptError:   # LEASE_UNKNOWN: the pool forgot the lease (re-registered); attach again
@@ -530,9 +534,11 @@ def _entry_payload(e: Any, number: int, pool_id: str, geo: Geometry) -> dict[str
         raise errors.InvalidArgument(f"{what}: child {e.child} is out of range")
     payload = {"kind": kind, "sequence": e.sequence, "num_tokens": e.num_tokens, "blocks": blocks,
                "num_committed_blocks": 0, "parent_hash": "", "commits": [], "child": e.child}
-    if kind == "commit":
-        if not e.commits:
-            raise errors.InvalidArgument(f"{what}: a commit needs at least one block")
+    if kind == "commit" and not e.commits:
+        raise errors.InvalidArgument(f"{what}: a commit needs at least one block")
+    if e.commits:
+        if kind not in ("commit", "grow"):
+            raise errors.InvalidArgument(f"{what}: only COMMIT and GROW entries carry commits")
         _commit_payload(payload, what, e.parent_hash, e.commits, geo.block_size)
     return payload
 

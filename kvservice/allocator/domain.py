@@ -97,6 +97,7 @@ class ReserveRequest:
     #: Journal entries (``pb.JournalEntry`` or anything with its fields), read as they are.
     entries: tuple = ()
     want_sequence_numbers: int = 0
+    need_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,7 +147,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def Sync(self, request: pb.SyncRequest, context: Any) -> pb.SyncResponse:
         pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks), p.first_entry,
-                                tuple(p.entries), p.want_sequence_numbers) for p in request.pools]
+                                tuple(p.entries), p.want_sequence_numbers, p.need_blocks) for p in request.pools]
         lease, grants = await self.a.sync(request.lease_id, pools, request.request_id)
         return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])
 

@@ -51,6 +51,8 @@ TARGETS: dict[str, tuple[str | None, float]] = {
     "alloc_us_per_token": ("inproc_us_per_token", 1.2),
     "sync_rpcs_per_step": (None, 0.0),
     "create_cached_2k_us": ("floor_us", 3.0),
+    "journal_lag_p99_ms": (None, 50.0),
+    "reserved_unused_p99_share": (None, 0.01),
 }
 
 
@@ -142,7 +144,7 @@ def measure_script_call(client: Any, pool: str, epoch: int, repeat: int) -> dict
 
 
 def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_size: int,
-                   rng: random.Random, cpu: CpuMeter) -> tuple[list[Any], dict[str, Any]]:
+                   rng: random.Random, cpu: CpuMeter, num_blocks: int) -> tuple[list[Any], dict[str, Any]]:
     """The decode workload; returns its (still live) sequences and the figures."""
     # Prompt lengths 128 + i: every offset inside a block is held by sequences/block_size
     # sequences, so boundary crossings are spread evenly over the steps.
@@ -162,7 +164,9 @@ def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_siz
     for step in range(block_size):
         client.step(batch(step))
     batches = [batch(block_size + step) for step in range(steps)]   # the engine's work, not timed
-    times = []
+    client.flush()
+    lags0 = len(client.journal_lags())
+    times, reserved = [], []
     rpcs0 = client.rpc_count
     cpu0 = cpu.snap()
     clock = time.perf_counter
@@ -171,10 +175,14 @@ def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_siz
         t0 = clock()
         client.step(b)
         times.append(clock() - t0)
+        if client.local:
+            reserved.append(client.reserved_blocks() / num_blocks)
         if (step + 1) % report_every == 0 and step + 1 < steps:
             _progress(f"decode: {step + 1}/{steps} steps")
     rpcs = client.rpc_count - rpcs0
     cpu_per_step = cpu.per_op_us(cpu0, steps)
+    client.flush()
+    lags = client.journal_lags()[lags0:]
     total = sum(times)
     out = {"step_p50_us": _us(percentile(times, 50)), "step_p99_us": _us(percentile(times, 99)),
            "step_mean_us": _us(total / steps), "step_max_us": _us(max(times)),
@@ -185,6 +193,10 @@ def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_siz
             "prompt_tokens_min": lengths[0], "prompt_tokens_max": lengths[-1]}
     if "client" in cpu_per_step:
         out["client_cpu_us_per_token"] = cpu_per_step["client"] / sequences
+    if client.local:
+        out["journal_lag_p50_ms"] = percentile(lags, 50) * 1e3
+        out["journal_lag_p99_ms"] = percentile(lags, 99) * 1e3
+        out["reserved_unused_p99_share"] = percentile(reserved, 99)
     return seqs, out
 
 
@@ -287,6 +299,8 @@ def measure_lifecycle(client: Any, pool: str, repeat: int, rng: random.Random,
 def judge(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {}
     for name, (base, factor) in TARGETS.items():
+        if name not in fig:   # (the journal's figures, with --remote)
+            continue
         limit = factor * fig[base] if base is not None else factor
         target = f"<= {factor:g}x {_SHORT.get(base, base)}" if base is not None else f"<= {factor:g}"
         out[name] = {"value": fig[name], "limit": limit, "met": fig[name] <= limit, "target": target}
@@ -320,6 +334,10 @@ def table(fig: dict[str, Any], targets: dict[str, dict[str, Any]]) -> str:
     row("allocator time per generated token", "alloc_us_per_token", ratio=False)
     if "client_cpu_us_per_token" in fig:
         row("  client CPU per generated token", "client_cpu_us_per_token", ratio=False)
+    if "journal_lag_p50_ms" in fig:
+        row("journal lag, local change -> applied (p50)", "journal_lag_p50_ms", unit="ms", ratio=False)
+        row("journal lag, local change -> applied (p99)", "journal_lag_p99_ms", unit="ms", ratio=False)
+        row("reserved but unused blocks / pool (p99)", "reserved_unused_p99_share", unit="", ratio=False)
     row("in-process block manager: step (p50)", "inproc_step_p50_us")
     row("in-process block manager: step (p99)", "inproc_step_p99_us")
     row("in-process block manager: time per token", "inproc_us_per_token", ratio=False)
@@ -349,7 +367,7 @@ def run(target: str, redis_url: str, args: argparse.Namespace, cpu: CpuMeter) ->
     per_2k = math.ceil(PROMPT_2K / bs) + 1
     num_blocks = args.sequences * per_seq + (args.repeat + 30) * per_2k * 2 + 1024
     fig: dict[str, Any] = {}
-    with Client(target, tenant=f"bench-{tag}", lease_ttl=60.0) as client:
+    with Client(target, tenant=f"bench-{tag}", lease_ttl=60.0, local=not args.remote) as client:
         epoch = client.register_pool(pool, num_blocks=num_blocks, block_size=bs).epoch
         _progress(f"floor: {args.repeat} gRPC round trips and Redis PINGs")
         fig.update(measure_floor(client.channel, redis_url, args.repeat))
@@ -357,7 +375,7 @@ def run(target: str, redis_url: str, args: argparse.Namespace, cpu: CpuMeter) ->
         _progress(f"in-process reference: the same {args.sequences} x {args.steps} decode trace")
         fig.update(measure_inproc(args.sequences, args.steps, bs, seed=20240608))
         _progress(f"decode: {args.sequences} sequences x {args.steps} steps, block size {bs}")
-        live, decode = measure_decode(client, pool, args.sequences, args.steps, bs, rng, cpu)
+        live, decode = measure_decode(client, pool, args.sequences, args.steps, bs, rng, cpu, num_blocks)
         fig.update(decode)
         # The lifecycle figures are taken in a busy pool, the decode sequences still live,
         # as in an engine that admits requests while it decodes (see docs/benchmark.md).
@@ -419,7 +437,7 @@ def main(args: argparse.Namespace) -> int:
         except KvsError as exc:
             print(f"kvservice bench: the allocator refused: {exc}", file=sys.stderr)
             return 1
-    fig = {k: (round(v, 4 if k.endswith("rpcs_per_step") else 2 if k.endswith("per_token") else 1)
+    fig = {k: (round(v, 4 if k.endswith(("rpcs_per_step", "_share")) else 2 if k.endswith("per_token") else 1)
                if isinstance(v, float) else v) for k, v in fig.items()}
     fig["elapsed_s"] = round(time.perf_counter() - started, 2)
     targets = judge(fig)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvservice.allocator import hashing
+from kvservice.common import hashing
 
 
 class LocalSequence:

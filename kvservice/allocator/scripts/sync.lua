@@ -7,8 +7,9 @@
 --- applied number (K_JOURNAL). A batch that starts after a gap is not applied (the reply's
 --- applied says where to resume); entries applied before are skipped (a resend is a
 --- no-op); the rest are applied all-or-nothing, each as its kind says:
----   grow   {sequence, num_tokens, blocks}: blocks (from the lease's reserve) appended to
----          the table, which then covers num_tokens;
+---   grow   {sequence, num_tokens, blocks, commits?}: blocks (from the lease's reserve)
+---          appended to the table, which then covers num_tokens; then the commits, if any
+---          (as a commit entry's);
 ---   copy   {sequence, num_tokens, blocks = [dst]}: copy-on-write: dst (from the reserve)
 ---          replaces the shared partial last block (which loses a reference);
 ---   commit {sequence, num_tokens, num_committed_blocks (the first index), parent_hash,
@@ -27,7 +28,7 @@
 ---   number of entries[1]), entries, want (the reserve size asked for), cap (the most a
 ---   lease may hold), pressure_blocks (below this many free + evictable blocks the cap
 ---   drops to pressure_cap), pressure_cap, returned = [blocks given back],
----   want_sequence_numbers}
+---   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap)}
 --- Returns msgpack {epoch, applied (the last entry applied), granted = [blocks added to
 ---   the reserve], num_reserved (the lease's reserve after the call), cap (the cap now:
 ---   the lease returns any surplus), first_sequence_number, num_sequence_numbers};
@@ -73,6 +74,8 @@ end
 -- ------------------------------------------------------------------ journal
 
 local recs, born, gone = {}, {}, {}   -- sequence field -> record; new and freed fields
+local stored = {}                     -- sequence field -> {meta, tab} as read up front
+local known = {}                      -- hash -> block id or false, as read up front
 local mine = {}                       -- this lease's reserved blocks (true) as planned
 local from_reserve, to_reserve = {}, {}
 local pending, reg_hs, reg_bs, dups = {}, {}, {}, {}
@@ -93,9 +96,9 @@ local function rec_of(n)
   local rec = recs[f]
   if rec == false or gone[f] then refuse('sequence ' .. f .. ' not found') end
   if rec == nil then
-    local meta = redis.call('HGET', K_SEQS, f)
-    if not meta then recs[f] = false; refuse('sequence ' .. f .. ' not found') end
-    rec = load_rec(meta, redis.call('HGET', K_TABS, f))
+    local row = stored[f]
+    if not row then recs[f] = false; refuse('sequence ' .. f .. ' not found') end
+    rec = load_rec(row[1], row[2])
     if rec.l ~= lease then refuse('sequence ' .. f .. ' belongs to another lease') end
     recs[f] = rec
   end
@@ -132,6 +135,35 @@ local function set_length(rec, t, bs)
   rec.t = t
 end
 
+-- Registers the hashes of a commit (a COMMIT entry's, or a GROW entry's commits).
+local function commit_blocks(rec, e, bs)
+  local first, hs = e.num_committed_blocks, e.commits
+  if first ~= rec.c then refuse('commit starts at block ' .. first .. ' but ' .. rec.c .. ' blocks are committed') end
+  if e.parent_hash ~= rec.h then refuse('parent_hash does not match the last committed block') end
+  if (first + #hs) * bs > rec.t then
+    refuse('block ' .. (first + #hs - 1) .. ' is not full at num_tokens ' .. rec.t)
+  end
+  local blocks, fields = {}, {}
+  for j = 1, #hs do
+    blocks[j] = rec_block(rec, first + j)
+    fields[j] = D[blocks[j]] or dec(blocks[j])
+  end
+  local cur = hmget_chunked(K_B2H, fields)
+  for j, h in ipairs(hs) do
+    local b = blocks[j]
+    if not cur[j] and not pending[h] then
+      if not known[h] then
+        pending[h] = b
+        reg_hs[#reg_hs + 1] = h; reg_bs[#reg_bs + 1] = b
+      elseif not dups[h] then
+        dups[h] = b
+      end
+    end
+  end
+  rec.c = first + #hs
+  if #hs > 0 then rec.h = hs[#hs] end
+end
+
 local function apply_entry(e, bs)
   local rec, f = rec_of(e.sequence)
   local kind = e.kind
@@ -151,6 +183,7 @@ local function apply_entry(e, bs)
       rec.add[#rec.add + 1] = b
     end
     set_length(rec, e.num_tokens, bs)
+    if #e.commits > 0 then commit_blocks(rec, e, bs) end
   elseif kind == 'copy' then
     local nb = rec_len(rec)
     if #e.blocks ~= 1 or nb == 0 or rec.t % bs == 0 then refuse('copy needs one block and a partial last block') end
@@ -165,32 +198,7 @@ local function apply_entry(e, bs)
     set_length(rec, e.num_tokens, bs)
   elseif kind == 'commit' then
     set_length(rec, e.num_tokens, bs)
-    local first, hs = e.num_committed_blocks, e.commits
-    if first ~= rec.c then refuse('commit starts at block ' .. first .. ' but ' .. rec.c .. ' blocks are committed') end
-    if e.parent_hash ~= rec.h then refuse('parent_hash does not match the last committed block') end
-    if (first + #hs) * bs > rec.t then
-      refuse('block ' .. (first + #hs - 1) .. ' is not full at num_tokens ' .. rec.t)
-    end
-    local blocks, fields = {}, {}
-    for j = 1, #hs do
-      blocks[j] = rec_block(rec, first + j)
-      fields[j] = D[blocks[j]] or dec(blocks[j])
-    end
-    local known = hmget_chunked(K_H2B, hs)
-    local cur = hmget_chunked(K_B2H, fields)
-    for j, h in ipairs(hs) do
-      local b = blocks[j]
-      if not cur[j] and not pending[h] then
-        if not known[j] then
-          pending[h] = b
-          reg_hs[#reg_hs + 1] = h; reg_bs[#reg_bs + 1] = b
-        elseif not dups[h] then
-          dups[h] = b
-        end
-      end
-    end
-    rec.c = first + #hs
-    if #hs > 0 then rec.h = hs[#hs] end
+    commit_blocks(rec, e, bs)
   elseif kind == 'fork' then
     set_length(rec, e.num_tokens, bs)
     local cf = field_of(e.child)
@@ -303,6 +311,25 @@ local ok, plan = guarded(function()
   local entries = p.entries
   local done = 0
   if #entries > 0 and first <= applied + 1 then
+    -- Read up front, in two calls each: the records of every sequence the new entries
+    -- name, and which of their commits' hashes are cached already.
+    local fields, seen, hashes = {}, {}, {}
+    for i = applied + 2 - first, #entries do
+      local e = entries[i]
+      local f = field_of(e.sequence)
+      if not seen[f] then seen[f] = true; fields[#fields + 1] = f end
+      for _, h in ipairs(e.commits) do hashes[#hashes + 1] = h end
+    end
+    if #fields > 0 then
+      local metas, tabs = hmget_chunked(K_SEQS, fields), hmget_chunked(K_TABS, fields)
+      for i, f in ipairs(fields) do
+        if metas[i] then stored[f] = {metas[i], tabs[i]} end
+      end
+    end
+    if #hashes > 0 then
+      local got = hmget_chunked(K_H2B, hashes)
+      for i, h in ipairs(hashes) do known[h] = got[i] or false end
+    end
     for i = applied + 2 - first, #entries do
       entry_no = first + i - 1
       apply_entry(entries[i], bs)
@@ -321,7 +348,7 @@ local ok, plan = guarded(function()
   local available = available_now(num_blocks)
   local cap = p.cap
   if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
-  local need = math.max(0, math.min(p.want, cap) - kept)
+  local need = math.max(0, math.max(math.min(p.want, cap), p.need) - kept)
   return {epoch = epoch, num_blocks = num_blocks, attach = attach, kept = kept, cap = cap,
           need = math.min(need, available), applied = applied + done, done = done}
 end)

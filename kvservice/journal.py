@@ -1,0 +1,135 @@
+"""The SDK's side of a lease in one pool (DESIGN §5): the reserve of blocks it owns, the
+sequence numbers it was granted, the reference counts of the blocks its tables hold, and
+the journal of local changes not yet acknowledged by the allocator.
+
+Everything here is local and fast; ``kvservice.client.Client`` changes it under its lock
+on the caller's thread and sends it with ``Sync`` from its flusher thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from kvservice.v1 import allocator_pb2 as pb
+
+
+class PoolJournal:
+    """One pool's state of a lease, as the SDK keeps it.
+
+    Attributes:
+        pool_id, epoch: the pool (epoch of the sequences the lease holds there).
+        reserve: blocks of the lease's reserve not in any table.
+        numbers: granted sequence numbers for local forks, unused.
+        refs: this lease's references to each block its tables hold.
+        pending: journal entries not yet acknowledged; ``pending[0]`` has number
+            ``first_pending``; the next entry gets ``first_pending + len(pending)``.
+        applied: the last entry the allocator acknowledged.
+        cap: the lease's reserve cap, as the last Sync said.
+        returning: surplus blocks on their way back (not usable, not yet acknowledged).
+    """
+
+    #: Sequence numbers asked for at a time.
+    NUMBERS = 64
+    LAGS = 100_000
+
+    def __init__(self, pool_id: str, epoch: int, block_size: int) -> None:
+        self.pool_id = pool_id
+        self.epoch = epoch
+        self.block_size = block_size
+        self.reserve: list[int] = []
+        self.numbers: deque[int] = deque()
+        self.refs: dict[int, int] = {}
+        self.pending: list[pb.JournalEntry] = []
+        self.first_pending = 1
+        self.applied = 0
+        self.cap = 0
+        self.returning: list[int] = []
+        #: When each pending entry was logged (monotonic), and the lags of acknowledged
+        #: entries (logged -> applied, seconds; the most recent LAGS of them).
+        self.logged_at: list[float] = []
+        self.lags: deque[float] = deque(maxlen=self.LAGS)
+
+    # ------------------------------------------------------------ blocks
+
+    def take(self) -> int:
+        """A reserve block for a table (the caller checked that there is one)."""
+        b = self.reserve.pop()
+        self.refs[b] = 1
+        return b
+
+    def hold(self, blocks: list[int]) -> None:
+        """A new table's references (a created or forked sequence)."""
+        refs = self.refs
+        for b in blocks:
+            refs[b] = refs.get(b, 0) + 1
+
+    def release(self, blocks: list[int], num_tokens: int) -> None:
+        """A freed table's references, last block first: a partial block that reaches 0
+        comes back to the reserve (only this lease could hold it), a full one leaves."""
+        refs, bs = self.refs, self.block_size
+        for i in range(len(blocks) - 1, -1, -1):
+            b = blocks[i]
+            r = refs[b] - 1
+            if r:
+                refs[b] = r
+                continue
+            del refs[b]
+            if (i + 1) * bs > num_tokens:
+                self.reserve.append(b)
+
+    def shared(self, b: int) -> bool:
+        return self.refs.get(b, 0) > 1
+
+    # ------------------------------------------------------------ the journal
+
+    def log(self, entry: pb.JournalEntry) -> None:
+        self.pending.append(entry)
+        self.logged_at.append(time.monotonic())
+
+    def acknowledge(self, applied: int) -> None:
+        """Drops the entries up to ``applied`` (the allocator has them)."""
+        done = applied - self.first_pending + 1
+        if done > 0:
+            now = time.monotonic()
+            self.lags.extend(now - t for t in self.logged_at[:done])
+            del self.pending[:done]
+            del self.logged_at[:done]
+            self.first_pending = applied + 1
+        self.applied = max(self.applied, applied)
+
+    # ------------------------------------------------------------ the reserve's size
+
+    def target(self) -> int:
+        """How many blocks to keep in reserve: the cap (the allocator sizes it: about 1%
+        of the pool, less under pressure), or a few blocks before the first Sync."""
+        return self.cap or 4
+
+    def low(self) -> bool:
+        """Below half the target: time for a background refill."""
+        return len(self.reserve) < self.target() // 2
+
+    def sync_request(self) -> pb.PoolSync:
+        """This pool's part of the next Sync (the pending entries, a refill, a return)."""
+        target = self.target()
+        surplus = len(self.reserve) - self.cap if self.cap and len(self.reserve) > self.cap else 0
+        if surplus > 0:
+            self.returning.extend(self.reserve[:surplus])
+            del self.reserve[:surplus]
+        return pb.PoolSync(pool_id=self.pool_id, epoch=self.epoch, want_blocks=target,
+                           returned_blocks=self.returning, first_entry=self.first_pending, entries=self.pending,
+                           want_sequence_numbers=self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0)
+
+    def synced(self, reply: pb.PoolReserve) -> None:
+        """Applies a Sync's reply for this pool."""
+        self.acknowledge(reply.applied_entries)
+        self.returning = []
+        self.reserve.extend(reply.granted_blocks)
+        self.cap = reply.reserve_cap
+        first = reply.first_sequence_number
+        self.numbers.extend(range(first, first + reply.num_sequence_numbers))
+
+    def sync_failed(self) -> None:
+        """A Sync that did not go through: the returned blocks are still ours."""
+        self.reserve.extend(self.returning)
+        self.returning = []

@@ -1,0 +1,133 @@
+"""The SDK's local ownership changes (``Client(local=True)``, DESIGN §5): growth, copy-on-
+write, commits, forks and frees change local state at once, reach the allocator through
+the journal in the background, and agree with it after ``flush()``."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvservice import errors
+from kvservice.client import Client
+
+from helpers import TEST_SETTINGS, ServerThread, audit, stats
+
+BS = 4
+
+
+@pytest.fixture
+def server(any_redis_url):
+    with ServerThread(any_redis_url, TEST_SETTINGS.replace(reserve_share=0.05, reserve_min_blocks=4)) as s:
+        yield s
+
+
+def _agree(client: Client, seqs) -> None:
+    """After a flush, the allocator's view of each sequence is the client's."""
+    client.flush()
+    for s in seqs:
+        view = client.get(s.id)
+        assert list(view.block_table) == s.block_table, s.id
+        assert (view.num_tokens, view.num_committed_blocks, view.last_hash) == (
+            s.num_tokens, s._committed, s._last_hash), s.id
+
+
+def test_local_steps_make_no_rpc_and_agree_with_the_allocator_after_a_flush(server):
+    rng = random.Random(7)
+    with Client(server.target, tenant="t1", local=True) as c:
+        c.register_pool("p0", num_blocks=400, block_size=BS)
+        live = c.step(creates=[([rng.randrange(100) for _ in range(n)], "p0", b"") for n in (1, 3, 4, 5, 9, 12)]).created
+        c.flush()
+        rpcs = c.rpc_count
+        copies = 0
+        for step in range(60):
+            forks, frees = {}, []
+            if step % 7 == 3:
+                forks = {live[step % len(live)]: [[rng.randrange(100)]]}
+            if step % 11 == 5 and len(live) > 3:
+                frees = [live.pop(0)]
+            appends = {s: [rng.randrange(100)] for s in live if s not in frees and s not in forks}
+            res = c.step(appends, forks=forks, frees=frees)
+            time.sleep(0.002)                               # the model's step on the workers
+            copies += len(res.copies)
+            for kids in res.children.values():
+                live.extend(kids)
+        assert c.rpc_count == rpcs, "a decode step called the allocator synchronously"
+        assert copies > 0
+        _agree(c, live)
+        st = stats(server.redis_url, "p0")
+        assert st["num_free_blocks"] + st["num_evictable_blocks"] + st["num_used_blocks"] + \
+            st["num_reserved_blocks"] == 400
+        assert st["num_sequences"] == len(live) and st["cow_copies"] == copies
+        assert audit(server.redis_url) == []
+        c.step(frees=live)
+        c.flush()
+        assert stats(server.redis_url, "p0")["num_used_blocks"] == 0
+    st = stats(server.redis_url, "p0")
+    assert (st["num_reserved_blocks"], st["num_sequences"]) == (0, 0)   # the revoke took the reserve back
+    assert audit(server.redis_url) == []
+
+
+def test_a_block_committed_locally_is_a_prefix_hit_for_another_client_after_the_flush(server):
+    with Client(server.target, tenant="t1", local=True) as a, Client(server.target, tenant="t1") as b:
+        a.register_pool("p0", num_blocks=100, block_size=BS)
+        tokens = [5, 6, 7, 8, 9, 10]
+        s = a.create(tokens)
+        s.append([11, 12, 13, 14, 15, 16])          # blocks 1 and 2 fill locally
+        a.flush()
+        hit = b.create(tokens + [11, 12, 13, 14, 15, 16, 99])
+        assert hit.num_cached_tokens == 12
+        assert hit.block_table[:3] == s.block_table
+    assert audit(server.redis_url) == []
+
+
+def test_fork_then_writes_copy_the_shared_block_once_and_at_once(server):
+    with Client(server.target, tenant="t1", local=True) as c:
+        c.register_pool("p0", num_blocks=100, block_size=BS)
+        parent = c.create([1, 2, 3, 4, 5, 6])             # [full, partial (5, 6)]
+        res = c.step(forks={parent: [[7]]})                # the child writes into the shared block
+        child = res.children[parent.id][0]
+        assert [(p.src, p.dst) for p in res.copies] == [(parent.block_table[1], child.block_table[1])]
+        assert c.step({parent: [8]}).copies == []          # the parent's block is its own again
+        assert (parent.num_tokens, child.num_tokens) == (7, 7)
+        _agree(c, [parent, child])
+        assert stats(server.redis_url, "p0")["cow_copies"] == 1
+        child.free()
+        parent.free()
+        c.flush()
+        assert stats(server.redis_url, "p0")["num_used_blocks"] == 0
+    assert audit(server.redis_url) == []
+
+
+def test_a_step_beyond_the_reserve_refills_it_synchronously(server):
+    with Client(server.target, tenant="t1", local=True) as c:
+        c.register_pool("p0", num_blocks=400, block_size=BS)
+        s = c.create([1])
+        rpcs = c.rpc_count
+        s.append(list(range(200)))                          # 50 blocks at once: more than any reserve
+        assert c.rpc_count == rpcs + 1
+        _agree(c, [s])
+        with pytest.raises(errors.ResourceExhausted):
+            s.append(list(range(4000)))                     # more than the pool has
+        assert s.num_tokens == 201
+        _agree(c, [s])
+    assert audit(server.redis_url) == []
+
+
+def test_a_client_whose_keep_alives_fail_refuses_local_changes_once_its_lease_may_have_expired(any_redis_url):
+    server = ServerThread(any_redis_url, TEST_SETTINGS).start()
+    c = Client(server.target, tenant="t1", local=True, lease_ttl=0.6, timeout=0.2)
+    try:
+        c.register_pool("p0", num_blocks=100, block_size=BS)
+        s = c.create([1, 2])
+        s.append([3])
+        server.stop()                                       # keep-alives fail from now on
+        time.sleep(0.8)
+        with pytest.raises(errors.LeaseExpired):
+            s.append([4])                                   # a local append: refused all the same
+        assert s.num_tokens == 3
+    finally:
+        c._stop.set()
+        c.channel.close()
+        server.stop()
