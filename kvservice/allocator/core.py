@@ -236,7 +236,9 @@ class Allocator:
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
         returned = [int(b) for b in r.returned_blocks]
-        request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries,
+        # The entries are known by their numbers (a resend is a no-op by numbering): the
+        # fingerprint covers the rest of the request and which entries it carries.
+        request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, len(entries),
                    r.want_sequence_numbers, r.need_blocks]
         payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
                    "fingerprint": fingerprint("sync", request) if request_id else "",
@@ -517,29 +519,34 @@ MAX_SEQUENCE = 10**15 - 1
 
 
 def _entry_payload(e: Any, number: int, pool_id: str, geo: Geometry) -> dict[str, Any]:
-    """A journal entry as the sync script takes it (``scripts/sync.lua``)."""
-    what = f"pool {pool_id}: journal entry {number}"
+    """A journal entry as the sync script takes it (``scripts/sync.lua``). Runs for every
+    entry of every Sync: each field is read once (``e`` is a proto message)."""
+    def refuse(problem: str) -> errors.InvalidArgument:
+        return errors.InvalidArgument(f"pool {pool_id}: journal entry {number}: {problem}")
+
     kind = ENTRY_KINDS.get(e.kind)
     if kind is None:
-        raise errors.InvalidArgument(f"{what}: unknown kind {e.kind}")
-    if not 1 <= e.sequence <= MAX_SEQUENCE:
-        raise errors.InvalidArgument(f"{what}: sequence {e.sequence} is out of range")
-    if not 1 <= e.num_tokens <= MAX_INT:
-        raise errors.InvalidArgument(f"{what}: num_tokens {e.num_tokens} is out of range")
+        raise refuse(f"unknown kind {e.kind}")
+    sequence, num_tokens, child = e.sequence, e.num_tokens, e.child
+    if not 1 <= sequence <= MAX_SEQUENCE:
+        raise refuse(f"sequence {sequence} is out of range")
+    if not 1 <= num_tokens <= MAX_INT:
+        raise refuse(f"num_tokens {num_tokens} is out of range")
     blocks = list(e.blocks)
-    for b in blocks:
-        if not 0 <= b < geo.num_blocks:
-            raise errors.InvalidArgument(f"{what}: block {b} is outside 0..{geo.num_blocks - 1}")
-    if kind == "fork" and not 1 <= e.child <= MAX_SEQUENCE:
-        raise errors.InvalidArgument(f"{what}: child {e.child} is out of range")
-    payload = {"kind": kind, "sequence": e.sequence, "num_tokens": e.num_tokens, "blocks": blocks,
-               "num_committed_blocks": 0, "parent_hash": "", "commits": [], "child": e.child}
-    if kind == "commit" and not e.commits:
-        raise errors.InvalidArgument(f"{what}: a commit needs at least one block")
-    if e.commits:
+    if blocks and (min(blocks) < 0 or max(blocks) >= geo.num_blocks):
+        bad = next(b for b in blocks if not 0 <= b < geo.num_blocks)
+        raise refuse(f"block {bad} is outside 0..{geo.num_blocks - 1}")
+    if kind == "fork" and not 1 <= child <= MAX_SEQUENCE:
+        raise refuse(f"child {child} is out of range")
+    payload = {"kind": kind, "sequence": sequence, "num_tokens": num_tokens, "blocks": blocks,
+               "num_committed_blocks": 0, "parent_hash": "", "commits": [], "child": child}
+    commits = e.commits
+    if commits:
         if kind not in ("commit", "grow"):
-            raise errors.InvalidArgument(f"{what}: only COMMIT and GROW entries carry commits")
-        _commit_payload(payload, what, e.parent_hash, e.commits, geo.block_size)
+            raise refuse("only COMMIT and GROW entries carry commits")
+        _commit_payload(payload, f"pool {pool_id}: journal entry {number}", e.parent_hash, commits, geo.block_size)
+    elif kind == "commit":
+        raise refuse("a commit needs at least one block")
     return payload
 
 

@@ -74,8 +74,9 @@ end
 -- ------------------------------------------------------------------ journal
 
 local recs, born, gone = {}, {}, {}   -- sequence field -> record; new and freed fields
-local stored = {}                     -- sequence field -> {meta, tab} as read up front
+local stored = {}                     -- sequence field -> its record as read up front
 local known = {}                      -- hash -> block id or false, as read up front
+local hashed_before = {}              -- block -> its hash or false, read up front
 local mine = {}                       -- this lease's reserved blocks (true) as planned
 local from_reserve, to_reserve = {}, {}
 local pending, reg_hs, reg_bs, dups = {}, {}, {}, {}
@@ -96,9 +97,8 @@ local function rec_of(n)
   local rec = recs[f]
   if rec == false or gone[f] then refuse('sequence ' .. f .. ' not found') end
   if rec == nil then
-    local row = stored[f]
-    if not row then recs[f] = false; refuse('sequence ' .. f .. ' not found') end
-    rec = load_rec(row[1], row[2])
+    rec = stored[f]
+    if not rec then recs[f] = false; refuse('sequence ' .. f .. ' not found') end
     if rec.l ~= lease then refuse('sequence ' .. f .. ' belongs to another lease') end
     recs[f] = rec
   end
@@ -143,12 +143,18 @@ local function commit_blocks(rec, e, bs)
   if (first + #hs) * bs > rec.t then
     refuse('block ' .. (first + #hs - 1) .. ' is not full at num_tokens ' .. rec.t)
   end
-  local blocks, fields = {}, {}
+  local blocks, fields, cur = {}, {}, {}
   for j = 1, #hs do
-    blocks[j] = rec_block(rec, first + j)
-    fields[j] = D[blocks[j]] or dec(blocks[j])
+    local b = rec_block(rec, first + j)
+    blocks[j] = b
+    if hashed_before[b] ~= nil then cur[j] = hashed_before[b] else fields[#fields + 1] = D[b] or dec(b) end
   end
-  local cur = hmget_chunked(K_B2H, fields)
+  if #fields > 0 then   -- (blocks that the batch moved since the records were read)
+    local got, k = hmget_chunked(K_B2H, fields), 0
+    for j = 1, #hs do
+      if cur[j] == nil then k = k + 1; cur[j] = got[k] or false end
+    end
+  end
   for j, h in ipairs(hs) do
     local b = blocks[j]
     if not cur[j] and not pending[h] then
@@ -322,13 +328,38 @@ local ok, plan = guarded(function()
     end
     if #fields > 0 then
       local metas, tabs = hmget_chunked(K_SEQS, fields), hmget_chunked(K_TABS, fields)
+      local lasts = {}
       for i, f in ipairs(fields) do
-        if metas[i] then stored[f] = {metas[i], tabs[i]} end
+        if metas[i] then
+          local rec = load_rec(metas[i], tabs[i])
+          stored[f] = rec
+          if rec.nb > 0 and rec.l == lease then lasts[#lasts + 1] = rec_block(rec, rec.nb) end
+        end
       end
+      load_refs(lasts)   -- the last blocks: whether a write must copy them first
     end
     if #hashes > 0 then
       local got = hmget_chunked(K_H2B, hashes)
       for i, h in ipairs(hashes) do known[h] = got[i] or false end
+      -- the blocks the commits name, where the records say they are
+      local blocks, bfields = {}, {}
+      for i = applied + 2 - first, #entries do
+        local e = entries[i]
+        local rec = stored[field_of(e.sequence)]
+        if rec and #e.commits > 0 then
+          for j = 1, #e.commits do
+            local idx = e.num_committed_blocks + j
+            if idx <= rec.nb then
+              local b = rec_block(rec, idx)
+              if not blocks[b] then blocks[b] = true; bfields[#bfields + 1] = D[b] or dec(b) end
+            end
+          end
+        end
+      end
+      if #bfields > 0 then
+        local cur = hmget_chunked(K_B2H, bfields)
+        for i, s in ipairs(bfields) do hashed_before[tonumber(s)] = cur[i] or false end
+      end
     end
     for i = applied + 2 - first, #entries do
       entry_no = first + i - 1
