@@ -48,21 +48,7 @@ local function check_pool_and_lease()
     if c.epoch ~= epoch then bad('STALE_EPOCH', 'pool ' .. p.pool .. ' is at epoch ' .. epoch, {epoch = epoch}) end
   end
   -- The lease must be live here, or (for creates) live in its own record.
-  local deadline = tonumber(redis.call('ZSCORE', K_LEASES, lease))
-  local attach = false
-  if not (deadline and deadline > now) then
-    if deadline or redis.call('ZSCORE', K_DEAD, lease) then
-      bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired or was revoked; its sequences were freed',
-        {reason = 'LEASE_EXPIRED'})
-    end
-    if #creates > 0 then
-      if p.lease_deadline_ms == 0 then bad('LEASE_UNKNOWN', 'lease ' .. lease .. ' is not attached to ' .. p.pool) end
-      if not (p.lease_deadline_ms > now) then
-        bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired', {reason = 'LEASE_EXPIRED'})
-      end
-      attach = true
-    end
-  end
+  local attach = lease_in_pool(p.pool, lease, p.lease_deadline_ms, now, #creates > 0)
   return epoch, num_blocks, bs, attach
 end
 
@@ -407,14 +393,7 @@ for i, u in ipairs(ups) do
 end
 local out_made = {}
 for _, rec in ipairs(plan.made) do out_made[#out_made + 1] = store_new(rec) end
-if #put_meta > 0 then call_chunked('HSET', K_SEQS, put_meta, 2) end
-if #put_tab > 0 then call_chunked('HSET', K_TABS, put_tab, 2) end
-if #del > 0 then
-  call_chunked('HDEL', K_SEQS, del)
-  call_chunked('HDEL', K_TABS, del)
-end
-if #lseq_add > 0 then call_chunked('ZADD', K_LSEQ, lseq_add, 2) end
-if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+write_records(put_meta, put_tab, del, lseq_add, lseq_del)
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
 local out_copies = {}
 for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end

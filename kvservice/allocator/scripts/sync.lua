@@ -54,20 +54,7 @@ local function check_pool_and_lease()
     bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' is at epoch ' .. epoch .. ', not ' ..
       string.format('%d', p.epoch) .. ' (re-registered since)', {reason = 'EPOCH_CHANGED', epoch = epoch})
   end
-  local now = now_ms()
-  local deadline = tonumber(redis.call('ZSCORE', K_LEASES, lease))
-  local attach = false
-  if not (deadline and deadline > now) then
-    if deadline or redis.call('ZSCORE', K_DEAD, lease) then
-      bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired or was revoked; its blocks were freed',
-        {reason = 'LEASE_EXPIRED'})
-    end
-    if p.lease_deadline_ms == 0 then bad('LEASE_UNKNOWN', 'lease ' .. lease .. ' is not attached to ' .. p.pool) end
-    if not (p.lease_deadline_ms > now) then
-      bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired', {reason = 'LEASE_EXPIRED'})
-    end
-    attach = true
-  end
+  local attach = lease_in_pool(p.pool, lease, p.lease_deadline_ms, now_ms(), true)
   return epoch, num_blocks, bs, attach
 end
 
@@ -296,14 +283,7 @@ local function write_journal()
       end
     end
   end
-  if #put_meta > 0 then call_chunked('HSET', K_SEQS, put_meta, 2) end
-  if #put_tab > 0 then call_chunked('HSET', K_TABS, put_tab, 2) end
-  if #del > 0 then
-    call_chunked('HDEL', K_SEQS, del)
-    call_chunked('HDEL', K_TABS, del)
-  end
-  if #lseq_add > 0 then call_chunked('ZADD', K_LSEQ, lseq_add, 2) end
-  if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+  write_records(put_meta, put_tab, del, lseq_add, lseq_del)
 end
 
 -- ------------------------------------------------------------------ plan, then write
@@ -396,28 +376,13 @@ if #p.returned > 0 then
   call_chunked('RPUSH', K_FREE, fields)
 end
 local granted = {}
-local n = plan.need
-if n > 0 then
-  local nfree = redis.call('LLEN', K_FREE)
-  if nfree > 0 then
-    for _, b in ipairs(redis.call('LPOP', K_FREE, math.min(n, nfree))) do granted[#granted + 1] = tonumber(b) end
-  end
-  if #granted < n then
-    local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0
-    while #granted < n and fresh < plan.num_blocks do
-      granted[#granted + 1] = fresh
-      fresh = fresh + 1
-    end
-    redis.call('HSET', K_STATE, 'fresh', fresh)
-  end
-  if #granted < n then
-    local moved = {}
-    for _, b in ipairs(evict(n - #granted, dups, moved, stats)) do granted[#granted + 1] = b end
-    for _, m in ipairs(moved) do
-      local s = D[m[2]] or dec(m[2])
-      redis.call('HSET', K_H2B, m[1], s)
-      redis.call('HSET', K_B2H, s, m[1])
-    end
+if plan.need > 0 then
+  local moved = {}
+  granted = take_blocks(plan.need, plan.num_blocks, dups, moved, stats)
+  for _, m in ipairs(moved) do
+    local s = D[m[2]] or dec(m[2])
+    redis.call('HSET', K_H2B, m[1], s)
+    redis.call('HSET', K_B2H, s, m[1])
   end
   local add = {}
   for _, b in ipairs(granted) do add[#add + 1] = 0; add[#add + 1] = reserve_member(lease, b) end

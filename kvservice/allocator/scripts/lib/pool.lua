@@ -13,6 +13,26 @@ local function pool_meta(pool_id)
   return tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
 end
 
+-- Whether a lease must be attached to the pool by this call (true) or is live in it
+-- already (false). A lease the pool does not know is attached when ``attachable``, with
+-- the deadline the caller read from the lease's own record (0: none read: the internal
+-- LEASE_UNKNOWN asks the caller to attach it first). LEASE_EXPIRED for a lease that the
+-- pool saw expire or be revoked, or whose deadline has passed.
+local function lease_in_pool(pool, lease, deadline_ms, now, attachable)
+  local deadline = tonumber(redis.call('ZSCORE', K_LEASES, lease))
+  if deadline and deadline > now then return false end
+  if deadline or redis.call('ZSCORE', K_DEAD, lease) then
+    bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired or was revoked; its sequences were freed',
+      {reason = 'LEASE_EXPIRED'})
+  end
+  if not attachable then return false end
+  if deadline_ms == 0 then bad('LEASE_UNKNOWN', 'lease ' .. lease .. ' is not attached to ' .. pool) end
+  if not (deadline_ms > now) then
+    bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired', {reason = 'LEASE_EXPIRED'})
+  end
+  return true
+end
+
 -- Blocks the pool could give now: free, never used, and evictable.
 local function available_now(num_blocks)
   local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0

@@ -113,6 +113,41 @@ local function evict(n, dups, moved, stats)
   return victims
 end
 
+-- Writes sequence records: field/value pairs of records and tables to set, fields to
+-- delete, lease-index members ("<lease>:<n>") to add (score 0) and to remove.
+local function write_records(put_meta, put_tab, del, lseq_add, lseq_del)
+  if #put_meta > 0 then call_chunked('HSET', K_SEQS, put_meta, 2) end
+  if #put_tab > 0 then call_chunked('HSET', K_TABS, put_tab, 2) end
+  if #del > 0 then
+    call_chunked('HDEL', K_SEQS, del)
+    call_chunked('HDEL', K_TABS, del)
+  end
+  if #lseq_add > 0 then call_chunked('ZADD', K_LSEQ, lseq_add, 2) end
+  if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+end
+
+-- Takes n blocks for the caller: the free list first, then never-used blocks, then LRU
+-- eviction (dups, moved: see evict()). Returns them (fewer if the pool has fewer).
+local function take_blocks(n, num_blocks, dups, moved, stats)
+  local got = {}
+  local nfree = redis.call('LLEN', K_FREE)
+  if nfree > 0 then
+    for _, b in ipairs(redis.call('LPOP', K_FREE, math.min(n, nfree))) do got[#got + 1] = tonumber(b) end
+  end
+  if #got < n then
+    local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0
+    while #got < n and fresh < num_blocks do
+      got[#got + 1] = fresh
+      fresh = fresh + 1
+    end
+    redis.call('HSET', K_STATE, 'fresh', fresh)
+  end
+  if #got < n then
+    for _, b in ipairs(evict(n - #got, dups, moved, stats)) do got[#got + 1] = b end
+  end
+  return got
+end
+
 -- Writes the overlay: revivals, blocks that reached 0 (to the evictable set if they have
 -- a hash, else to the free list), then allocates nplace blocks (free list, never-used
 -- blocks, then LRU eviction) and writes every planned count. hashed[b] says whether a
@@ -149,22 +184,7 @@ local function apply(num_blocks, hashed, stats, dups)
   if #to_free > 0 then call_chunked('RPUSH', K_FREE, to_free) end
   local got, moved = {}, {}
   if nplace > 0 then
-    local nfree = redis.call('LLEN', K_FREE)
-    if nfree > 0 then
-      local popped = redis.call('LPOP', K_FREE, math.min(nplace, nfree))
-      for _, b in ipairs(popped) do got[#got + 1] = tonumber(b) end
-    end
-    if #got < nplace then
-      local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0
-      while #got < nplace and fresh < num_blocks do
-        got[#got + 1] = fresh
-        fresh = fresh + 1
-      end
-      redis.call('HSET', K_STATE, 'fresh', fresh)
-    end
-    if #got < nplace then
-      for _, b in ipairs(evict(nplace - #got, dups, moved, stats)) do got[#got + 1] = b end
-    end
+    got = take_blocks(nplace, num_blocks, dups, moved, stats)
     if #got < nplace then
       error('allocator invariant broken: planned ' .. nplace .. ' blocks, found ' .. #got)
     end
