@@ -522,7 +522,7 @@ class Client:
                     self._journals[s.pool].log(pb.JournalEntry(kind=pb.JournalEntry.GROW, sequence=s.number,
                                                                num_tokens=s._num_tokens))
             self._unlogged.clear()
-        for _ in range(5):
+        for _ in range(100):
             self._sync_once()
             with self._lock:
                 if not any(j.pending for j in self._journals.values()):

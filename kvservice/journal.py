@@ -31,6 +31,9 @@ class PoolJournal:
 
     #: Sequence numbers asked for at a time.
     NUMBERS = 64
+    #: Entries sent in one Sync at most (the allocator's max_items_per_call is 1024 by
+    #: default); the rest go with the next one.
+    MAX_ENTRIES = 512
     LAGS = 100_000
 
     def __init__(self, pool_id: str, epoch: int, block_size: int) -> None:
@@ -117,7 +120,8 @@ class PoolJournal:
             self.returning.extend(self.reserve[:surplus])
             del self.reserve[:surplus]
         return pb.PoolSync(pool_id=self.pool_id, epoch=self.epoch, want_blocks=target,
-                           returned_blocks=self.returning, first_entry=self.first_pending, entries=self.pending,
+                           returned_blocks=self.returning, first_entry=self.first_pending,
+                           entries=self.pending[:self.MAX_ENTRIES],
                            want_sequence_numbers=self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0)
 
     def synced(self, reply: pb.PoolReserve) -> None:
