@@ -93,6 +93,9 @@ def test_a_resent_batch_is_applied_once_and_a_batch_after_a_gap_not_at_all(serve
     assert after == before
     assert lease.sync(batch + later, first=1).applied_entries == 2  # 1 skipped, 2 applied
     assert len(_get(stub, _n(seq)).block_table) == 4
+    st = stats(server.redis_url, "p0")
+    assert (st["journal_entries"], st["journal_batches"], st["journal_resent_entries"], st["journal_gaps"]) == \
+        (2, 4, 2, 1)
     assert audit(server.redis_url) == []
 
 

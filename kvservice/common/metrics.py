@@ -101,6 +101,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _m("pool_sequences_freed_total", "counter", POOL, "exporter", "Sequences freed (reaped ones included)."),
     _m("pool_leases_expired_total", "counter", POOL, "exporter", "Expired leases swept from the pool."),
     _m("pool_sequences_reaped_total", "counter", POOL, "exporter", "Sequences freed because their lease expired."),
+    _m("pool_journal_entries_total", "counter", POOL, "exporter",
+       "Journal entries (clients' local changes) applied by Sync."),
+    _m("pool_journal_batches_total", "counter", POOL, "exporter", "Syncs that carried journal entries for the pool."),
+    _m("pool_journal_resent_entries_total", "counter", POOL, "exporter",
+       "Journal entries received again after they were applied (resends after a lost reply; skipped)."),
+    _m("pool_journal_gaps_total", "counter", POOL, "exporter",
+       "Journal batches not applied because they started after a gap (the client resends)."),
     # --- workers
     _m("worker_pool_bytes", "gauge", POOL, "worker", "Bytes of device memory held by the worker's K/V pool."),
     _m("worker_pool_blocks", "gauge", POOL, "worker", "Blocks in the worker's K/V pool."),
@@ -121,6 +128,10 @@ POOL_COUNTERS = {
     "sequences_freed": "pool_sequences_freed_total",
     "leases_expired": "pool_leases_expired_total",
     "sequences_reaped": "pool_sequences_reaped_total",
+    "journal_entries": "pool_journal_entries_total",
+    "journal_batches": "pool_journal_batches_total",
+    "journal_resent_entries": "pool_journal_resent_entries_total",
+    "journal_gaps": "pool_journal_gaps_total",
 }
 POOL_GAUGES = {
     "num_blocks": "pool_capacity_blocks",

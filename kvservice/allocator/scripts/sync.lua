@@ -296,6 +296,14 @@ local ok, plan = guarded(function()
   local first = p.first_entry
   local entries = p.entries
   local done = 0
+  if #entries > 0 then
+    stats.journal_batches = 1
+    if first > applied + 1 then
+      stats.journal_gaps = 1
+    else
+      stats.journal_resent_entries = math.min(#entries, applied + 1 - first)
+    end
+  end
   if #entries > 0 and first <= applied + 1 then
     -- Read up front, in two calls each: the records of every sequence the new entries
     -- name, and which of their commits' hashes are cached already.
@@ -368,6 +376,7 @@ if not ok then return plan end
 if plan.done > 0 then
   write_journal()
   redis.call('HSET', K_JOURNAL, lease, plan.applied)
+  stats.journal_entries = plan.done
 end
 if #p.returned > 0 then
   local members, fields = {}, {}
