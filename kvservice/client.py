@@ -541,16 +541,18 @@ class Client:
                     return
             with self._lock:
                 journals = list(self._journals.values())
-                pools = []
+                parts = []
                 for pj in journals:
-                    request = pj.sync_request()
+                    part = pj.sync_request()
                     if short and pj.pool_id in short:
                         blocks, numbers = short[pj.pool_id]
-                        request.need_blocks = blocks
-                        request.want_sequence_numbers = max(request.want_sequence_numbers, numbers + pj.NUMBERS)
-                    pools.append(request)
+                        part["need_blocks"] = blocks
+                        part["want_sequence_numbers"] = max(part["want_sequence_numbers"], numbers + pj.NUMBERS)
+                    parts.append(part)
                 sent_at = time.monotonic()
-            request = pb.SyncRequest(lease_id=self.lease_id, request_id=_request_id(), pools=pools)
+            # (built outside the lock: copying the entries into the message takes a while)
+            request = pb.SyncRequest(lease_id=self.lease_id, request_id=_request_id(),
+                                     pools=[pb.PoolSync(**part) for part in parts])
             try:
                 if background:
                     self.sync_count += 1

@@ -112,17 +112,19 @@ class PoolJournal:
         """Below half the target: time for a background refill."""
         return len(self.reserve) < self.target() // 2
 
-    def sync_request(self) -> pb.PoolSync:
-        """This pool's part of the next Sync (the pending entries, a refill, a return)."""
-        target = self.target()
+    def sync_request(self) -> dict:
+        """This pool's part of the next Sync (the pending entries, a refill, a return), as
+        the fields of a ``pb.PoolSync``: cheap to take under the client's lock (the
+        entries are not copied; logged entries never change), built into the message
+        outside it."""
         surplus = len(self.reserve) - self.cap if self.cap and len(self.reserve) > self.cap else 0
         if surplus > 0:
             self.returning.extend(self.reserve[:surplus])
             del self.reserve[:surplus]
-        return pb.PoolSync(pool_id=self.pool_id, epoch=self.epoch, want_blocks=target,
-                           returned_blocks=self.returning, first_entry=self.first_pending,
-                           entries=self.pending[:self.MAX_ENTRIES],
-                           want_sequence_numbers=self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0)
+        return {"pool_id": self.pool_id, "epoch": self.epoch, "want_blocks": self.target(),
+                "returned_blocks": list(self.returning), "first_entry": self.first_pending,
+                "entries": self.pending[:self.MAX_ENTRIES],
+                "want_sequence_numbers": self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0}
 
     def synced(self, reply: pb.PoolReserve) -> None:
         """Applies a Sync's reply for this pool."""
