@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -36,10 +37,12 @@ def _audit(args: argparse.Namespace) -> int:
         print("kvservice audit: give --redis-url (or KVSERVICE_REDIS_URL)", file=sys.stderr)
         return 2
 
+    holdings: list = []
+
     async def run() -> tuple[list[str], list]:
         store = Store(connect(url))
         try:
-            return await run_audit(Allocator(store), args.pool)
+            return await run_audit(Allocator(store), args.pool, holdings=holdings)
         finally:
             await store.close()
 
@@ -50,13 +53,19 @@ def _audit(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps({"ok": not problems, "problems": problems,
-                          "pools": [{"pool_id": i.pool_id, "epoch": i.epoch, **i.stats} for i in infos]}))
+                          "pools": [{"pool_id": i.pool_id, "epoch": i.epoch, **i.stats} for i in infos],
+                          "leases": [dataclasses.asdict(h) for h in holdings]}))
     else:
         for i in infos:
             s = i.stats
             print(f"pool {i.pool_id} (epoch {i.epoch}): {s['num_blocks']} blocks = "
                   f"{s['num_free_blocks']} free + {s['num_evictable_blocks']} evictable + "
-                  f"{s['num_used_blocks']} used; {s['num_sequences']} sequences, {s['num_leases']} leases")
+                  f"{s['num_used_blocks']} used + {s['num_reserved_blocks']} reserved; {s['num_sequences']} "
+                  f"sequences, {s['num_leases']} leases")
+            for h in holdings:
+                if h.pool_id == i.pool_id:
+                    print(f"  lease {h.lease_id}: {h.num_sequences} sequences, {h.num_reserved_blocks} reserved "
+                          f"blocks, journal applied up to entry {h.applied_entries}")
         if problems:
             print(f"AUDIT FAILED: {len(problems)} problem(s)")
             for p in problems:

@@ -11,6 +11,7 @@ import redis
 
 from kvservice.allocator import keys
 from kvservice.client import Client
+from kvservice.v1 import allocator_pb2 as pb
 
 from helpers import ServerThread, audit
 
@@ -41,6 +42,20 @@ def test_sound_state_passes(live, redis_url):
     assert report["ok"] and report["pools"][0]["num_sequences"] == 3
 
 
+def test_the_audit_reports_what_each_lease_holds(live, redis_url):
+    r, x, y = live
+    c = x.client
+    c.stub.Sync(pb.SyncRequest(lease_id=c.lease_id, pools=[pb.PoolSync(pool_id="a1", epoch=x.epoch, want_blocks=2)]))
+    report = json.loads(run_audit_cli(redis_url, "--json").stdout)
+    assert report["ok"] and report["pools"][0]["num_reserved_blocks"] == 2
+    assert report["leases"] == [{"pool_id": "a1", "lease_id": c.lease_id, "num_sequences": 3,
+                                 "num_reserved_blocks": 2, "applied_entries": 0}]
+    rpc = c.audit("a1")
+    assert rpc.ok and [(h.lease_id, h.num_sequences, h.num_reserved_blocks) for h in rpc.leases] == [
+        (c.lease_id, 3, 2)]
+    assert f"lease {c.lease_id}: 3 sequences, 2 reserved blocks" in run_audit_cli(redis_url).stdout
+
+
 def _k(name: str) -> str:
     return keys.pool_key("a1", name)
 
@@ -58,6 +73,13 @@ CORRUPTIONS = {
     "table too short": (lambda r, x, y: r.hset(_k("tabs"), y.id.split("/")[2],
                                                 "".join(f"{b:06x}" for b in y.block_table[:2])),
                         "2 blocks for 11 tokens"),
+    "reserved and free": (lambda r, x, y: r.zadd(_k("reserve"), {f"{x.client.lease_id}:31": 0}),
+                          "blocks both free and reserved"),
+    "reserved by two leases": (lambda r, x, y: r.zadd(_k("reserve"), {f"{x.client.lease_id}:{x.block_table[0]}": 0,
+                                                                       f"other:{x.block_table[0]}": 0}),
+                               "reserved by 2 leases"),
+    "reserve of an unknown lease": (lambda r, x, y: r.zadd(_k("reserve"), {"ghost:30": 0}),
+                                    "lease ghost holds a reserve but is unknown to the pool"),
 }
 
 

@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from kvservice.allocator.domain import PoolInfo
+from kvservice.allocator.domain import LeaseHoldings, PoolInfo
 from kvservice.common.settings import check_pool_id
 from kvservice.errors import InvalidArgument, NotFound
 
@@ -136,8 +136,19 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     return problems
 
 
-async def run_audit(allocator: Allocator, pool_id: str = "") -> tuple[list[str], list[PoolInfo]]:
-    """Audits one pool (or all); returns the problems and each pool's stats."""
+def lease_holdings(pool_id: str, snap: dict[str, Any]) -> list[LeaseHoldings]:
+    """Per lease known to the pool: its sequences, its reserve and its journal's progress."""
+    seqs = Counter(rec["lease_id"] for rec in snap["seqs"].values())
+    reserved = Counter(lease for lease, _ in snap["reserve"])
+    leases = sorted(set(snap["leases"]) | set(seqs) | set(reserved) | set(snap["journal"]))
+    return [LeaseHoldings(pool_id, lease, seqs.get(lease, 0), reserved.get(lease, 0), snap["journal"].get(lease, 0))
+            for lease in leases]
+
+
+async def run_audit(allocator: Allocator, pool_id: str = "", *,
+                    holdings: list[LeaseHoldings] | None = None) -> tuple[list[str], list[PoolInfo]]:
+    """Audits one pool (or all); returns the problems and each pool's stats, and adds what
+    each lease holds in each pool to ``holdings`` when given."""
     if pool_id:
         try:
             check_pool_id(pool_id)
@@ -153,5 +164,7 @@ async def run_audit(allocator: Allocator, pool_id: str = "") -> tuple[list[str],
                 raise NotFound(f"pool {pool_id} is not registered")
             continue
         problems += audit_pool(p, snap, snap["counts"])
+        if holdings is not None:
+            holdings.extend(lease_holdings(p, snap))
         infos.append(await allocator.describe_pool(p))
     return problems, infos

@@ -115,6 +115,17 @@ class ReserveGrant:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseHoldings:
+    """What one lease holds in one pool, as the audit reads it."""
+
+    pool_id: str
+    lease_id: str
+    num_sequences: int
+    num_reserved_blocks: int
+    applied_entries: int
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseInfo:
     lease_id: str
     tenant: str

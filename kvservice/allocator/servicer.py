@@ -6,7 +6,7 @@ from typing import Any
 
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.core import Allocator
-from kvservice.allocator.domain import (Create, LeaseInfo, PoolInfo, ReserveGrant, ReserveRequest, SeqDelta, SeqState,
+from kvservice.allocator.domain import (Create, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant, ReserveRequest, SeqDelta, SeqState,
                                         StepOutcome, Update)
 from kvservice.common.geometry import Geometry
 from kvservice.errors import InvalidArgument
@@ -152,6 +152,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])
 
     async def Audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:
-        problems, infos = await run_audit(self.a, request.pool_id)
-        return pb.AuditResponse(ok=not problems, problems=problems, pools=[stats_to_pb(i) for i in infos])
+        holdings: list[LeaseHoldings] = []
+        problems, infos = await run_audit(self.a, request.pool_id, holdings=holdings)
+        return pb.AuditResponse(ok=not problems, problems=problems, pools=[stats_to_pb(i) for i in infos],
+                                leases=[pb.LeaseHoldings(pool_id=h.pool_id, lease_id=h.lease_id,
+                                                         num_sequences=h.num_sequences,
+                                                         num_reserved_blocks=h.num_reserved_blocks,
+                                                         applied_entries=h.applied_entries) for h in holdings])
 

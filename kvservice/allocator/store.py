@@ -285,9 +285,10 @@ class Store:
             pipe.hgetall(k["stats"])
             pipe.hgetall(k["tabs"])
             pipe.zrange(k["reserve"], 0, -1)
+            pipe.hgetall(k["journal"])
             self._queue_counts(pipe, pool_id)
             res = await pipe.execute()
-        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve = res[:13]
+        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal = res[:14]
         if not meta or b"num_blocks" not in meta:
             return None
 
@@ -307,7 +308,8 @@ class Store:
             "lseq": [s(m) for m in lseq],
             "stats": {s(a): int(b) for a, b in stats.items()},
             "reserve": [(lease, int(b)) for lease, _, b in (s(m).rpartition(":") for m in reserve)],
-            "counts": self._counts(res[13:]),
+            "journal": {s(a): int(b) for a, b in journal.items()},
+            "counts": self._counts(res[14:]),
         }
 
 
