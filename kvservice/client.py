@@ -34,9 +34,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from kvservice import errors
+from kvservice.channel import open_channel
 from kvservice.common import hashing
 from kvservice.common.geometry import Geometry
-from kvservice.common.grpc import RETRYABLE
 from kvservice.journal import PoolJournal
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
@@ -159,20 +159,26 @@ class Client:
     """A connection to the allocator with one lease, kept alive in the background.
 
     Args:
-        target: ``host:port`` of an allocator replica.
+        target: the allocator's replicas: ``host:port``, ``"host1:port1,host2:port2"`` or a
+            list of ``host:port`` (or one gRPC target, e.g. ``dns:///name:port``). Calls go
+            to any replica that is up (gRPC's ``round_robin``) and are resent unchanged,
+            same request id, when their replica fails (``kvservice.channel``).
         tenant: the tenant name (prefix-cache salt).
         lease_ttl: seconds the allocator waits after the last keep-alive before freeing
             every sequence of this client.
         timeout: per-RPC deadline in seconds.
         keepalive: run the keep-alive thread (every ``lease_ttl / 3`` seconds).
+        retry_budget: seconds a call keeps being resent while no replica answers it (the
+            retry policy's backoffs add up to this; the ``timeout`` bounds it too): more
+            than a replica's restart.
     """
 
-    def __init__(self, target: str, *, tenant: str = "default", lease_ttl: float = 10.0,
+    def __init__(self, target: str | list[str], *, tenant: str = "default", lease_ttl: float = 10.0,
                  timeout: float = 10.0, keepalive: bool = True, local: bool = False,
-                 flush_interval: float = 0.005) -> None:
+                 flush_interval: float = 0.005, retry_budget: float = 5.0) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.channel = open_channel(target, retry_budget)
         self.stub = pb_grpc.AllocatorStub(self.channel)
         self.rpc_count = 0          # RPCs made on the caller's thread, keep-alives excepted
         self.closed = False
@@ -642,30 +648,48 @@ class Client:
 
     # ------------------------------------------------------------ plumbing
 
-    def _call(self, method, request, *, retries: int = 3):
-        """One RPC with this client's deadline; retried with the same request on UNAVAILABLE."""
+    def _call(self, method, request, *, retries: int = 1):
+        """One RPC with this client's deadline.
+
+        The channel's retry policy resends it on UNAVAILABLE, to any replica that is up,
+        for ``retry_budget`` seconds (``kvservice.channel``). What that policy cannot do
+        is done here: a call that ran out of its deadline (a replica that hangs, stopped
+        or cut off, rather than one that is down: gRPC's deadline covers all attempts) is
+        sent again, unchanged, up to ``retries`` times, if its ``request_id`` makes a
+        second delivery harmless; round_robin sends it to the next replica.
+        """
         self.rpc_count += 1
-        delay = 0.05
         for attempt in range(retries + 1):
             try:
                 return method(request, timeout=self.timeout)
             except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE and attempt < retries and getattr(request, "request_id", None):
-                    time.sleep(delay)
-                    delay *= 4
+                if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and attempt < retries
+                        and getattr(request, "request_id", None)):
                     continue
                 raise to_domain_error(exc) from None
         raise AssertionError("unreachable")
 
     def _keep_alive(self) -> None:
-        interval = max(self.lease.ttl_seconds / 3, 0.05)
-        while not self._stop.wait(interval):
+        """A KeepAlive every TTL / 3 (``keepalive`` without ``local``: in local mode the
+        flusher's Sync keeps the lease alive). Each has a deadline of TTL / 3 and the
+        channel's retry policy, which fails it over to another replica; one that fails
+        all the same is sent again after a short pause, until the allocator says the
+        lease is gone. A success moves the fence (``_alive_until``) on."""
+        ttl = self.lease.ttl_seconds
+        interval = max(ttl / 3, 0.05)
+        wait = interval
+        while not self._stop.wait(wait):
+            sent_at = time.monotonic()
             try:
                 self.stub.KeepAlive(pb.KeepAliveRequest(lease_id=self.lease_id), timeout=interval)
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     self.lease_error = to_domain_error(exc)
                     return
+                wait = min(interval, 0.05)   # UNAVAILABLE past the retry policy, a deadline: again soon
+                continue
+            self._alive_until = max(self._alive_until, sent_at + _fence(ttl))
+            wait = interval
 
     def close(self, *, revoke: bool = True) -> None:
         """Stops the keep-alive and, with ``revoke``, frees every sequence of this client."""
