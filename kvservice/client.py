@@ -37,7 +37,7 @@ from kvservice import errors
 from kvservice.channel import open_channel
 from kvservice.common import hashing
 from kvservice.common.geometry import Geometry
-from kvservice.journal import PoolJournal
+from kvservice.journal import COPY, FORK, FREE, GROW, PoolJournal
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -92,6 +92,10 @@ class Sequence:
         self._last_hash = state.last_hash
         self._tail = tail          # token ids from block `_committed` on
         self._private = private    # the last block is known to be ours alone
+        #: (local mode) appends that keep num_tokens below _room change only this object;
+        #: _logged: the length the journal has told the allocator.
+        self._room = 0
+        self._logged = self._num_tokens
         self.freed = False
 
     @property
@@ -190,7 +194,7 @@ class Client:
         self.sync_count = 0         # Syncs sent by the flusher thread
         self.journal_error: errors.KvsError | None = None
         self._journals: dict[str, PoolJournal] = {}
-        self._unlogged: set[Sequence] = set()   # lengths the journal has not said yet
+        self._live: set[Sequence] = set()      # (local) the sequences not freed
         self._lock = threading.RLock()
         self._sync_lock = threading.Lock()
         self._wake = threading.Event()
@@ -255,6 +259,7 @@ class Client:
 
     def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list) -> StepResult:
         """A step whose ownership changes go to the allocator in one Step RPC."""
+        self._check_alive()
         # Plan without building anything for the (many) sequences that stay local: this
         # loop runs over every sequence of every decode step (see docs/benchmark.md). It
         # also checks the appends; nothing is changed until the whole step is planned.
@@ -375,6 +380,76 @@ class Client:
         """A step whose ownership changes are local: no RPC unless it creates sequences
         (the prefix lookup is global) or a pool's reserve cannot cover it."""
         self._check_alive()
+        result = StepResult()
+        # The decode step's common case first: tokens that stay inside a private partial
+        # block change the sequence alone (as in an in-process block manager); the rest
+        # ("slow": a block fills or is needed, a shared block is written) go through the
+        # journal. Children share their parent's state before its appends: with forks,
+        # every append takes the journal's path.
+        if forks:
+            slow = appends
+        else:
+            with self._lock:
+                slow = self._append_fast(appends) if appends else {}
+        if not (slow or forks or frees or creates):
+            return result
+        try:
+            self._step_journaled(slow, forks, frees, result)
+        except BaseException:
+            if slow is not appends:
+                with self._lock:
+                    self._undo_fast(appends, slow)
+            raise
+        if creates:
+            # The prefix lookup needs no pending change applied first (a pending commit can
+            # only make it miss, a pending free only leave a block referenced a little
+            # longer); the pool's capacity may: then flush and try once more.
+            try:
+                created = self._step_remote({}, {}, [], creates)
+            except errors.ResourceExhausted:
+                if not any(j.pending for j in self._journals.values()):
+                    raise
+                self.flush()
+                created = self._step_remote({}, {}, [], creates)
+            with self._lock:
+                for seq in created.created:
+                    self._journal(seq).hold(seq._table)
+                    seq._logged = seq._num_tokens
+                    seq._room = _room(seq)
+                    self._live.add(seq)
+            result.created = created.created
+            result.copies.extend(created.copies)
+            result.rpc = True
+        return result
+
+    def _append_fast(self, appends: dict) -> dict:
+        """Applies the appends that stay below each sequence's ``_room`` (inside its
+        private last block, which they do not fill); returns the others, unapplied."""
+        slow = {}
+        for s, tokens in appends.items():
+            t1 = s._num_tokens + len(tokens)
+            if t1 < s._room and s.client is self:
+                for t in tokens:
+                    if t.__class__ is not int:
+                        break
+                else:
+                    s._tail += tokens
+                    s._num_tokens = t1
+                    continue
+            slow[s] = tokens
+        return slow
+
+    @staticmethod
+    def _undo_fast(appends: dict, slow: dict) -> None:
+        """Takes back what ``_append_fast`` applied (the step was refused)."""
+        for s, tokens in appends.items():
+            if tokens and s not in slow:
+                del s._tail[-len(tokens):]
+                s._num_tokens -= len(tokens)
+
+    def _step_journaled(self, appends: dict, forks: dict, frees: list, result: StepResult) -> None:
+        """The step's frees, forks and appends that change ownership: checked, covered by
+        the reserves (a synchronous Sync when they are not), then applied and journaled."""
         for s, tokens in appends.items():
             if s.__class__ is not Sequence and not isinstance(s, Sequence) or s.client is not self:
                 raise ValueError(f"{s!r} is not a sequence of this client")
@@ -387,7 +462,6 @@ class Client:
             if s.freed:
                 raise ValueError(f"sequence {s.id} was freed")
         self._ensure_reserves(appends, forks)
-        result = StepResult()
         with self._lock:
             for s in frees:
                 self._free_local(s)
@@ -403,24 +477,6 @@ class Client:
                     self._append_local(s, tokens, result)
             if any(j.low() for j in self._journals.values()):
                 self._wake.set()
-        if creates:
-            # The prefix lookup needs no pending change applied first (a pending commit can
-            # only make it miss, a pending free only leave a block referenced a little
-            # longer); the pool's capacity may: then flush and try once more.
-            try:
-                created = self._step_remote({}, {}, [], creates)
-            except errors.ResourceExhausted:
-                if not any(j.pending for j in self._journals.values()):
-                    raise
-                self.flush()
-                created = self._step_remote({}, {}, [], creates)
-            with self._lock:
-                for seq in created.created:
-                    self._journal(seq).hold(seq._table)
-            result.created = created.created
-            result.copies.extend(created.copies)
-            result.rpc = True
-        return result
 
     def _journal(self, s: "Sequence") -> PoolJournal:
         pj = self._journals.get(s.pool)
@@ -477,7 +533,7 @@ class Client:
             dst = pj.take()
             pj.refs[src] -= 1
             table[-1] = dst
-            pj.log(pb.JournalEntry(kind=pb.JournalEntry.COPY, sequence=s.number, num_tokens=t0, blocks=[dst]))
+            pj.log(COPY, s.number, t0, [dst])
             result.copies.append(CopyPair(s.pool, src, dst))
         t1 = t0 + len(tokens)
         grow = -(-t1 // bs) - len(table)
@@ -485,19 +541,20 @@ class Client:
         table.extend(blocks)
         s._tail.extend(tokens)
         s._num_tokens = t1
-        full = t1 // bs
-        if full > s._committed:      # one entry: the growth and the blocks that filled
-            commits = s._pending_commits()
+        k = t1 // bs - s._committed
+        if k > 0:      # one entry: the growth and the blocks that filled
             parent = last = s._last_hash
-            for c in commits:
-                last = hashing.block_hash(last, c.token_ids)
-            pj.log(pb.JournalEntry(kind=pb.JournalEntry.GROW, sequence=s.number, num_tokens=t1, blocks=blocks,
-                                   parent_hash=parent, commits=commits))
-            s._apply_commits(full, last)
+            data = s._tail[:k * bs]
+            for i in range(0, k * bs, bs):
+                last = hashing.block_hash(last, data[i:i + bs])
+            pj.log(GROW, s.number, t1, blocks, commit_tokens=data, num_commits=k, parent_hash=parent)
+            s._apply_commits(t1 // bs, last)
+            s._logged = t1
         elif blocks:
-            pj.log(pb.JournalEntry(kind=pb.JournalEntry.GROW, sequence=s.number, num_tokens=t1, blocks=blocks))
-        else:
-            self._unlogged.add(s)        # the allocator learns this length later (flush: at once)
+            pj.log(GROW, s.number, t1, blocks)
+            s._logged = t1
+        # (else: the allocator learns this length with the sequence's next entry, or at a flush)
+        s._room = _room(s)
 
     def _fork_local(self, s: "Sequence") -> "Sequence":
         pj = self._journals[s.pool]
@@ -507,15 +564,19 @@ class Client:
                             num_committed_blocks=s._committed, last_hash=s._last_hash, block_size=s.block_size)
         child = Sequence(self, state, list(s._tail), private=False)
         pj.hold(s._table)
-        pj.log(pb.JournalEntry(kind=pb.JournalEntry.FORK, sequence=s.number, num_tokens=s._num_tokens, child=n))
+        pj.log(FORK, s.number, s._num_tokens, child=n)
+        s._logged = child._logged = s._num_tokens
+        s._room = 0      # the partial last block is shared now: the next write copies it
+        self._live.add(child)
         return child
 
     def _free_local(self, s: "Sequence") -> None:
         pj = self._journals[s.pool]
-        self._unlogged.discard(s)
-        pj.log(pb.JournalEntry(kind=pb.JournalEntry.FREE, sequence=s.number, num_tokens=s._num_tokens))
+        pj.log(FREE, s.number, s._num_tokens)
         pj.release(s._table, s._num_tokens)
         s.freed = True
+        s._room = 0
+        self._live.discard(s)
 
     def flush(self) -> None:
         """A barrier: returns once the allocator has applied every local change made so
@@ -523,11 +584,10 @@ class Client:
         if not self.local:
             return
         with self._lock:
-            for s in self._unlogged:
-                if not s.freed:
-                    self._journals[s.pool].log(pb.JournalEntry(kind=pb.JournalEntry.GROW, sequence=s.number,
-                                                               num_tokens=s._num_tokens))
-            self._unlogged.clear()
+            for s in self._live:
+                if s._num_tokens != s._logged:      # lengths no entry has said yet
+                    self._journals[s.pool].log(GROW, s.number, s._num_tokens)
+                    s._logged = s._num_tokens
         for _ in range(100):
             self._sync_once()
             with self._lock:
@@ -557,6 +617,8 @@ class Client:
                     parts.append(part)
                 sent_at = time.monotonic()
             # (built outside the lock: copying the entries into the message takes a while)
+            for part in parts:
+                part["journal"] = pb.JournalEntries(**part["journal"])
             request = pb.SyncRequest(lease_id=self.lease_id, request_id=_request_id(),
                                      pools=[pb.PoolSync(**part) for part in parts])
             try:
@@ -758,6 +820,12 @@ def _int(text: str | None) -> int:
         return int(text or 0)
     except ValueError:
         return 0
+
+
+def _room(s: Sequence) -> int:
+    """The length below which appends stay inside the sequence's private last block (0
+    when the next token needs a block: a full last block, or a shared one)."""
+    return (s._committed + 1) * s.block_size if len(s._table) > s._committed else 0
 
 
 def _fence(ttl: float) -> float:

@@ -14,6 +14,10 @@ from collections import deque
 from kvservice.v1 import allocator_pb2 as pb
 
 
+GROW, COPY, COMMIT, FORK, FREE = (pb.JOURNAL_KIND_GROW, pb.JOURNAL_KIND_COPY, pb.JOURNAL_KIND_COMMIT,
+                                  pb.JOURNAL_KIND_FORK, pb.JOURNAL_KIND_FREE)
+
+
 class PoolJournal:
     """One pool's state of a lease, as the SDK keeps it.
 
@@ -22,8 +26,10 @@ class PoolJournal:
         reserve: blocks of the lease's reserve not in any table.
         numbers: granted sequence numbers for local forks, unused.
         refs: this lease's references to each block its tables hold.
-        pending: journal entries not yet acknowledged; ``pending[0]`` has number
-            ``first_pending``; the next entry gets ``first_pending + len(pending)``.
+        kinds, sequences, num_tokens, children, num_blocks, blocks, num_commits,
+        commit_tokens, parent_hashes: the journal entries not yet acknowledged, in
+            columns as ``JournalEntries`` sends them; the first has number
+            ``first_pending``, the next one logged gets ``first_pending + len(kinds)``.
         applied: the last entry the allocator acknowledged.
         cap: the lease's reserve cap, as the last Sync said.
         returning: surplus blocks on their way back (not usable, not yet acknowledged).
@@ -33,7 +39,9 @@ class PoolJournal:
     NUMBERS = 64
     #: Entries sent in one Sync at most (the allocator's max_items_per_call is 1024 by
     #: default); the rest go with the next one.
-    MAX_ENTRIES = 512
+    MAX_ENTRIES = 1024
+    #: Blocks sent in one Sync at most (the allocator's max_blocks_per_call, by default).
+    MAX_BLOCKS = 65536
     LAGS = 100_000
 
     def __init__(self, pool_id: str, epoch: int, block_size: int) -> None:
@@ -43,7 +51,15 @@ class PoolJournal:
         self.reserve: list[int] = []
         self.numbers: deque[int] = deque()
         self.refs: dict[int, int] = {}
-        self.pending: list[pb.JournalEntry] = []
+        self.kinds: list[int] = []
+        self.sequences: list[int] = []
+        self.num_tokens: list[int] = []
+        self.children: list[int] = []
+        self.num_blocks: list[int] = []
+        self.blocks: list[int] = []
+        self.num_commits: list[int] = []
+        self.commit_tokens: list[int] = []
+        self.parent_hashes: list[bytes] = []
         self.first_pending = 1
         self.applied = 0
         self.cap = 0
@@ -86,20 +102,62 @@ class PoolJournal:
 
     # ------------------------------------------------------------ the journal
 
-    def log(self, entry: pb.JournalEntry) -> None:
-        self.pending.append(entry)
+    @property
+    def pending(self) -> int:
+        """Entries logged and not yet acknowledged."""
+        return len(self.kinds)
+
+    def log(self, kind: int, sequence: int, num_tokens: int, blocks: list[int] = (), child: int = 0,
+            commit_tokens: list[int] = (), num_commits: int = 0, parent_hash: bytes = b"") -> None:
+        """Appends one entry (``commit_tokens``: ``block_size`` ids per commit)."""
+        self.kinds.append(kind)
+        self.sequences.append(sequence)
+        self.num_tokens.append(num_tokens)
+        self.children.append(child)
+        self.num_blocks.append(len(blocks))
+        if blocks:
+            self.blocks.extend(blocks)
+        self.num_commits.append(num_commits)
+        if num_commits:
+            self.commit_tokens.extend(commit_tokens)
+            self.parent_hashes.append(parent_hash)
         self.logged_at.append(time.monotonic())
 
     def acknowledge(self, applied: int) -> None:
         """Drops the entries up to ``applied`` (the allocator has them)."""
-        done = applied - self.first_pending + 1
+        done = min(applied - self.first_pending + 1, len(self.kinds))
         if done > 0:
             now = time.monotonic()
             self.lags.extend(now - t for t in self.logged_at[:done])
-            del self.pending[:done]
             del self.logged_at[:done]
-            self.first_pending = applied + 1
+            nb, nc = self.num_blocks[:done], self.num_commits[:done]
+            del self.blocks[:sum(nb)]
+            del self.commit_tokens[:sum(nc) * self.block_size]
+            del self.parent_hashes[:done - nc.count(0)]
+            for column in (self.kinds, self.sequences, self.num_tokens, self.children, self.num_blocks,
+                           self.num_commits):
+                del column[:done]
+            self.first_pending += done
         self.applied = max(self.applied, applied)
+
+    def _batch(self) -> int:
+        """How many pending entries the next Sync carries."""
+        k = min(self.MAX_ENTRIES, len(self.kinds))
+        if sum(self.num_blocks[:k]) > self.MAX_BLOCKS:
+            total = 0
+            for i, b in enumerate(self.num_blocks[:k]):
+                total += b
+                if total > self.MAX_BLOCKS:
+                    return max(i, 1)
+        return k
+
+    def entries(self, k: int) -> dict:
+        """The first ``k`` pending entries, as the fields of a ``pb.JournalEntries``."""
+        nb, nc = self.num_blocks[:k], self.num_commits[:k]
+        return {"kinds": self.kinds[:k], "sequences": self.sequences[:k], "num_tokens": self.num_tokens[:k],
+                "children": self.children[:k], "num_blocks": nb, "blocks": self.blocks[:sum(nb)],
+                "num_commits": nc, "commit_tokens": self.commit_tokens[:sum(nc) * self.block_size],
+                "parent_hashes": b"".join(self.parent_hashes[:k - nc.count(0)])}
 
     # ------------------------------------------------------------ the reserve's size
 
@@ -114,16 +172,16 @@ class PoolJournal:
 
     def sync_request(self) -> dict:
         """This pool's part of the next Sync (the pending entries, a refill, a return), as
-        the fields of a ``pb.PoolSync``: cheap to take under the client's lock (the
-        entries are not copied; logged entries never change), built into the message
-        outside it."""
+        the fields of a ``pb.PoolSync``, its journal as the fields of a
+        ``pb.JournalEntries``: cheap to take under the client's lock (list slices), built
+        into the message outside it."""
         surplus = len(self.reserve) - self.cap if self.cap and len(self.reserve) > self.cap else 0
         if surplus > 0:
             self.returning.extend(self.reserve[:surplus])
             del self.reserve[:surplus]
         return {"pool_id": self.pool_id, "epoch": self.epoch, "want_blocks": self.target(),
                 "returned_blocks": list(self.returning), "first_entry": self.first_pending,
-                "entries": self.pending[:self.MAX_ENTRIES],
+                "journal": self.entries(self._batch()),
                 "want_sequence_numbers": self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0}
 
     def synced(self, reply: pb.PoolReserve) -> None:

@@ -11,6 +11,7 @@ from kvservice.allocator.config import Settings
 from kvservice.allocator.server import create_server, reaper
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.store import Store, connect
+from kvservice.v1 import allocator_pb2 as pb
 
 TEST_SETTINGS = Settings(reap_interval=0.05, request_ttl=60.0)
 
@@ -131,3 +132,28 @@ def stats(redis_url: str, pool_id: str) -> dict[str, Any]:
     async def go(a: Allocator) -> dict[str, Any]:
         return (await a.describe_pool(pool_id)).stats
     return run_async(go, redis_url)
+
+
+def entry(kind: int, sequence: int, num_tokens: int, *, blocks=(), child: int = 0, commits=(),
+          parent_hash: bytes = b"") -> dict[str, Any]:
+    """One journal entry (``commits``: the token ids of each committed block)."""
+    return {"kind": kind, "sequence": sequence, "num_tokens": num_tokens, "blocks": list(blocks), "child": child,
+            "commits": [list(c) for c in commits], "parent_hash": parent_hash}
+
+
+def journal_entries(entries) -> pb.JournalEntries:
+    """Entries made with ``entry`` in the columns a Sync sends them in."""
+    j = pb.JournalEntries()
+    for e in entries:
+        j.kinds.append(e["kind"])
+        j.sequences.append(e["sequence"])
+        j.num_tokens.append(e["num_tokens"])
+        j.children.append(e["child"])
+        j.num_blocks.append(len(e["blocks"]))
+        j.blocks.extend(e["blocks"])
+        j.num_commits.append(len(e["commits"]))
+        for c in e["commits"]:
+            j.commit_tokens.extend(c)
+        if e["commits"]:
+            j.parent_hashes += e["parent_hash"]
+    return j

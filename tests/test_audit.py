@@ -73,12 +73,13 @@ CORRUPTIONS = {
     "table too short": (lambda r, x, y: r.hset(_k("tabs"), y.id.split("/")[2],
                                                 "".join(f"{b:06x}" for b in y.block_table[:2])),
                         "2 blocks for 11 tokens"),
-    "reserved and free": (lambda r, x, y: r.zadd(_k("reserve"), {f"{x.client.lease_id}:31": 0}),
+    "reserved and free": (lambda r, x, y: r.hset(_k("reserve"), "31", x.client.lease_id),
                           "blocks both free and reserved"),
-    "reserved by two leases": (lambda r, x, y: r.zadd(_k("reserve"), {f"{x.client.lease_id}:{x.block_table[0]}": 0,
-                                                                       f"other:{x.block_table[0]}": 0}),
-                               "reserved by 2 leases"),
-    "reserve of an unknown lease": (lambda r, x, y: r.zadd(_k("reserve"), {"ghost:30": 0}),
+    "reserved and referenced": (lambda r, x, y: r.hset(_k("reserve"), str(x.block_table[0]), x.client.lease_id),
+                                "both referenced and reserved"),
+    "reserve count drift": (lambda r, x, y: r.hset(_k("journal"), x.client.lease_id, "0 5"),
+                            "reserved blocks, its journal record says 5"),
+    "reserve of an unknown lease": (lambda r, x, y: r.hset(_k("reserve"), "30", "ghost"),
                                     "lease ghost holds a reserve but is unknown to the pool"),
 }
 

@@ -278,6 +278,40 @@ row("Sync", "returned-twice", sync(returned_blocks=[3, 3]), IA, "pool p0: a retu
 row("Sync", "pool-twice", lambda b: pb.SyncRequest(lease_id=b.A, pools=[pb.PoolSync(pool_id="p0", epoch=1)] * 2), IA,
     "pool p0 appears twice in one Sync")
 
+
+def journal(**columns: Any) -> pb.JournalEntries:
+    """One GROW entry of sequence 1 to 1 token, with ``columns`` replaced."""
+    one = {"kinds": [1], "sequences": [1], "num_tokens": [1], "children": [0], "num_blocks": [0], "num_commits": [0]}
+    return pb.JournalEntries(**{**one, **columns})
+
+
+J1 = "pool p0: journal entry 1:"
+row("Sync", "journal-columns-differ", sync(first_entry=1, journal=journal(sequences=[1, 2])), IA,
+    "pool p0: the journal's columns have different lengths (kinds 1, sequences 2, num_tokens 1, children 1, "
+    "num_blocks 1, num_commits 1)")
+row("Sync", "journal-first-entry-0", sync(first_entry=0, journal=journal()), IA,
+    "pool p0: first_entry 0 is out of range (entries are numbered from 1)")
+row("Sync", "journal-unknown-kind", sync(first_entry=1, journal=journal(kinds=[9])), IA, f"{J1} unknown kind 9")
+row("Sync", "journal-sequence-0", sync(first_entry=1, journal=journal(sequences=[0])), IA,
+    f"{J1} sequence 0 is out of range")
+row("Sync", "journal-blocks-do-not-add-up", sync(first_entry=1, journal=journal(num_blocks=[2], blocks=[1])), IA,
+    f"{J1} num_blocks 2: the entries' num_blocks must be >= 0 and add up to the 1 blocks sent")
+row("Sync", "journal-block-outside-the-pool",
+    sync(first_entry=1, journal=journal(num_blocks=[1], blocks=[NUM_BLOCKS])), IA,
+    f"{J1} block {NUM_BLOCKS} is outside 0..{NUM_BLOCKS - 1}")
+row("Sync", "journal-commit-tokens-short", sync(first_entry=1, journal=journal(num_commits=[1], commit_tokens=[1])),
+    IA, f"{J1} num_commits 1: the entries' num_commits must be >= 0, and {BS} commit_tokens per commit (1 sent)")
+row("Sync", "journal-parent-hash-missing",
+    sync(first_entry=1, journal=journal(num_commits=[1], commit_tokens=[1] * BS)), IA,
+    "pool p0: parent_hashes must hold 16 bytes per entry with commits (1), got 0")
+row("Sync", "journal-bad-token",
+    sync(first_entry=1, journal=journal(num_commits=[1], commit_tokens=[-1] * BS, parent_hashes=bytes(16))), IA,
+    f"{J1} token id -1 is outside 0..2147483647")
+row("Sync", "journal-child-on-grow", sync(first_entry=1, journal=journal(children=[5])), IA,
+    f"{J1} only FORK entries name a child")
+row("Sync", "journal-copy-without-block", sync(first_entry=1, journal=journal(kinds=[2])), IA,
+    f"{J1} COPY carries one block, got 0")
+
 # -- Sequence ids, shared by GetSequence, Step, ForkSequence and FreeSequences.
 MALFORMED_SIDS = ["", "p0", "p0/1", "p0/x/1", "p0/1/x", "p0/1/2/3", "bad pool/1/1", "p0/-1/1", "p0/1/-1",
                   "p0/1/\u00b2", "p0/\u0661/1", "p0/1/" + "9" * 40]

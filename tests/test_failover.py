@@ -221,12 +221,8 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
         return ""
 
 
-@pytest.mark.parametrize("mode,append", [
-    ("local", "within"), ("local", "across"), ("remote", "across"),
-    pytest.param("remote", "within", marks=pytest.mark.xfail(
-        strict=True, reason="Client._step_remote does not check the fence (_check_alive): an append "
-                            "that fits the private last block makes no RPC and goes through")),
-])
+@pytest.mark.parametrize("mode,append", [("local", "within"), ("local", "across"), ("remote", "within"),
+                                         ("remote", "across")])
 def test_a_client_paused_past_its_ttl_refuses_its_next_append_after_it_resumes(redis_url, tmp_path, mode, append):
     script = tmp_path / "paused.py"
     script.write_text(PAUSED)

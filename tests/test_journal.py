@@ -9,10 +9,10 @@ import pytest
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
-from helpers import TEST_SETTINGS, ServerThread, audit, snapshot, stats
+from helpers import TEST_SETTINGS, ServerThread, audit, entry, journal_entries, snapshot, stats
+from kvservice.journal import COMMIT, COPY, FORK, FREE, GROW
 
 BS = 4
-K = pb.JournalEntry.Kind
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ class Lease:
     def sync(self, entries=(), *, first: int | None = None, want: int = 0, numbers: int = 0) -> pb.PoolReserve:
         first = self.next_entry if first is None else first
         reply = self.stub.Sync(pb.SyncRequest(lease_id=self.id, pools=[pb.PoolSync(
-            pool_id="p0", epoch=1, want_blocks=want, first_entry=first, entries=list(entries),
+            pool_id="p0", epoch=1, want_blocks=want, first_entry=first, journal=journal_entries(entries),
             want_sequence_numbers=numbers)])).pools[0]
         self.next_entry = max(self.next_entry, reply.applied_entries + 1)
         return reply
@@ -64,9 +64,8 @@ def test_growth_and_commits_from_the_journal_are_applied_and_feed_the_prefix_cac
     tokens += [16, 17, 18]                            # locally: block 1 fills, block 2 starts
     r0 = lease.reserve[0]
     ack = lease.sync([
-        pb.JournalEntry(kind=K.COMMIT, sequence=_n(seq), num_tokens=8, parent_hash=seq.last_hash,
-                        commits=[pb.BlockCommit(index=1, token_ids=tokens[4:8])]),
-        pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=9, blocks=[r0]),
+        entry(COMMIT, _n(seq), 8, parent_hash=seq.last_hash, commits=[tokens[4:8]]),
+        entry(GROW, _n(seq), 9, blocks=[r0]),
     ])
     assert ack.applied_entries == 2 and ack.num_reserved_blocks == 9
     now = _get(stub, _n(seq))
@@ -82,11 +81,11 @@ def test_a_resent_batch_is_applied_once_and_a_batch_after_a_gap_not_at_all(serve
     server, stub = served
     lease = Lease(stub)
     seq = lease.create([1, 2, 3, 4, 5])
-    batch = [pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=9, blocks=[lease.reserve[0]])]
+    batch = [entry(GROW, _n(seq), 9, blocks=[lease.reserve[0]])]
     assert lease.sync(batch, first=1).applied_entries == 1
     before = snapshot(server.redis_url, "p0")
     assert lease.sync(batch, first=1).applied_entries == 1          # the resend: a no-op
-    later = [pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=13, blocks=[lease.reserve[1]])]
+    later = [entry(GROW, _n(seq), 13, blocks=[lease.reserve[1]])]
     assert lease.sync(later, first=3).applied_entries == 1          # entry 2 is missing: nothing applied
     after = snapshot(server.redis_url, "p0")
     after.pop("leases"), before.pop("leases")
@@ -106,10 +105,10 @@ def test_fork_copy_on_write_and_free_locally_journaled(served):
     child = lease.numbers[0]
     r0 = lease.reserve[0]
     ack = lease.sync([
-        pb.JournalEntry(kind=K.FORK, sequence=_n(seq), num_tokens=6, child=child),
-        pb.JournalEntry(kind=K.COPY, sequence=child, num_tokens=7, blocks=[r0]),   # the child writes first
-        pb.JournalEntry(kind=K.GROW, sequence=_n(seq), num_tokens=7, blocks=[]),   # the parent's block is its own now
-        pb.JournalEntry(kind=K.FREE, sequence=child, num_tokens=7),
+        entry(FORK, _n(seq), 6, child=child),
+        entry(COPY, child, 7, blocks=[r0]),   # the child writes first
+        entry(GROW, _n(seq), 7, blocks=[]),   # the parent's block is its own now
+        entry(FREE, child, 7),
     ])
     assert ack.applied_entries == 4
     assert ack.num_reserved_blocks == 10                # r0 (partial, freed) went back to the reserve
@@ -129,21 +128,19 @@ def test_an_entry_that_does_not_fit_is_refused_and_nothing_of_the_batch_is_appli
     lease, other = Lease(stub), Lease(stub, tenant="t2")
     seq = lease.create([1, 2, 3, 4, 5, 6])
     n = _n(seq)
-    ok = pb.JournalEntry(kind=K.GROW, sequence=n, num_tokens=9, blocks=[lease.reserve[0]])
+    ok = entry(GROW, n, 9, blocks=[lease.reserve[0]])
     bad = {
-        "block-not-reserved": pb.JournalEntry(kind=K.GROW, sequence=n, num_tokens=13, blocks=[other.reserve[0]]),
+        "block-not-reserved": entry(GROW, n, 13, blocks=[other.reserve[0]]),
         "shared-block-without-copy": None,
-        "child-not-granted": pb.JournalEntry(kind=K.FORK, sequence=n, num_tokens=9, child=10**6),
-        "other-lease": pb.JournalEntry(kind=K.FREE, sequence=_n(other.create([7, 8])), num_tokens=2),
-        "below-recorded-length": pb.JournalEntry(kind=K.FREE, sequence=n, num_tokens=5),
-        "commit-not-full": pb.JournalEntry(kind=K.COMMIT, sequence=n, num_tokens=9, parent_hash=seq.last_hash,
-                                           commits=[pb.BlockCommit(index=1, token_ids=[5, 6, 7, 8]),
-                                                    pb.BlockCommit(index=2, token_ids=[9, 9, 9, 9])]),
+        "child-not-granted": entry(FORK, n, 9, child=10**6),
+        "other-lease": entry(FREE, _n(other.create([7, 8])), 2),
+        "below-recorded-length": entry(FREE, n, 5),
+        "commit-not-full": entry(COMMIT, n, 9, parent_hash=seq.last_hash, commits=[[5, 6, 7, 8], [9, 9, 9, 9]]),
     }[case]
     entries = [ok, bad]
     if case == "shared-block-without-copy":
-        entries = [pb.JournalEntry(kind=K.FORK, sequence=n, num_tokens=6, child=lease.numbers[0]),
-                   pb.JournalEntry(kind=K.GROW, sequence=n, num_tokens=7, blocks=[])]
+        entries = [entry(FORK, n, 6, child=lease.numbers[0]),
+                   entry(GROW, n, 7, blocks=[])]
     before = snapshot(server.redis_url, "p0")
     with pytest.raises(grpc.RpcError) as info:
         lease.sync(entries)

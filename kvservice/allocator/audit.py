@@ -54,9 +54,11 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     evictable = {b for b, _ in snap["evict"]}
     referenced = set(snap["ref"])
     reserved = {b for _, b in snap["reserve"]}
-    for b, n in Counter(b for _, b in snap["reserve"]).items():
-        if n > 1:
-            bad(f"block {b} is reserved by {n} leases")
+    counted = Counter(lease for lease, _ in snap["reserve"])
+    for lease in sorted(set(counted) | set(snap["journal"])):
+        recorded = snap["journal"].get(lease, (0, 0))[1]
+        if recorded != counted.get(lease, 0):
+            bad(f"lease {lease} holds {counted.get(lease, 0)} reserved blocks, its journal record says {recorded}")
     for lease in sorted({lease for lease, _ in snap["reserve"]} - set(snap["leases"])):
         bad(f"lease {lease} holds a reserve but is unknown to the pool (it would never be reclaimed)")
     for name, group in (("free", free), ("evictable", evictable), ("referenced", referenced),
@@ -141,7 +143,8 @@ def lease_holdings(pool_id: str, snap: dict[str, Any]) -> list[LeaseHoldings]:
     seqs = Counter(rec["lease_id"] for rec in snap["seqs"].values())
     reserved = Counter(lease for lease, _ in snap["reserve"])
     leases = sorted(set(snap["leases"]) | set(seqs) | set(reserved) | set(snap["journal"]))
-    return [LeaseHoldings(pool_id, lease, seqs.get(lease, 0), reserved.get(lease, 0), snap["journal"].get(lease, 0))
+    return [LeaseHoldings(pool_id, lease, seqs.get(lease, 0), reserved.get(lease, 0),
+                          snap["journal"].get(lease, (0, 0))[0])
             for lease in leases]
 
 

@@ -21,6 +21,7 @@ from kvservice.allocator.config import Settings
 from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, ReserveGrant,
                                         ReserveRequest, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id)
+from kvservice.allocator.journal import journal_payload
 from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
 from kvservice.common.settings import check_pool_id, echo
@@ -192,13 +193,7 @@ class Allocator:
             if not 0 <= r.need_blocks <= self.settings.max_blocks_per_call:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: need_blocks {r.need_blocks} is out of range "
                                              f"(0..{self.settings.max_blocks_per_call})")
-            if r.entries and not 1 <= r.first_entry <= MAX_INT:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: first_entry {r.first_entry} is out of range "
-                                             "(entries are numbered from 1)")
-            if not 0 <= r.want_sequence_numbers <= 1 << 16:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: want_sequence_numbers {r.want_sequence_numbers} "
-                                             f"is out of range (0..{1 << 16})")
-            if len(r.entries) > self.settings.max_items_per_call:
+            if r.entries is not None and len(r.entries) > self.settings.max_items_per_call:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.entries)} journal entries, at most "
                                              f"{self.settings.max_items_per_call} per call")
             if len(r.returned_blocks) > self.settings.max_blocks_per_call:
@@ -219,10 +214,8 @@ class Allocator:
         entries = {}
         for r in pools:
             _, geo = await self.geometry(r.pool_id)
-            entries[r.pool_id] = [_entry_payload(e, r.first_entry + i, r.pool_id, geo) for i, e in enumerate(r.entries)]
-            if sum(len(e["blocks"]) for e in entries[r.pool_id]) > self.settings.max_blocks_per_call:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: more than {self.settings.max_blocks_per_call} "
-                                             "blocks in one call")
+            entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
+                                                 self.settings.max_blocks_per_call)
         lease = await self.keep_alive(lease_id)
         if not pools:
             return lease, []
@@ -231,19 +224,19 @@ class Allocator:
                                         for r in pools))
         return lease, list(grants)
 
-    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: list[dict[str, Any]], deadline: int,
+    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: dict[str, Any], deadline: int,
                          request_id: str) -> ReserveGrant:
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
         returned = [int(b) for b in r.returned_blocks]
         # The entries are known by their numbers (a resend is a no-op by numbering): the
         # fingerprint covers the rest of the request and which entries it carries.
-        request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, len(entries),
+        request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries["n"],
                    r.want_sequence_numbers, r.need_blocks]
         payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
                    "fingerprint": fingerprint("sync", request) if request_id else "",
                    "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
-                   "first_entry": r.first_entry, "entries": entries,
+                   "first_entry": r.first_entry, "journal": entries,
                    "want": r.want_blocks, "cap": max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks)),
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
                    "pressure_cap": s.reserve_min_blocks, "returned": returned,
@@ -491,7 +484,7 @@ class Allocator:
 
 def _commit_payload(payload: dict[str, Any], what: str, parent: bytes, commits: Any, block_size: int) -> None:
     """Sets ``parent_hash``, ``num_committed_blocks`` and ``commits`` (the hashes, hex) of a
-    step update's or a journal entry's payload from its parent hash and ``BlockCommit``s."""
+    step update's payload from its parent hash and ``BlockCommit``s."""
     if len(parent) != hashing.HASH_BYTES:
         raise errors.InvalidArgument(f"{what}: parent_hash must be {hashing.HASH_BYTES} bytes")
     payload["parent_hash"] = parent.hex()
@@ -511,43 +504,6 @@ def _commit_payload(payload: dict[str, Any], what: str, parent: bytes, commits: 
         hashes.append(parent.hex())
         index += 1
     payload["num_committed_blocks"] = first
-
-
-#: JournalEntry.Kind values -> the sync script's kinds.
-ENTRY_KINDS = {1: "grow", 2: "copy", 3: "commit", 4: "fork", 5: "free"}
-MAX_SEQUENCE = 10**15 - 1
-
-
-def _entry_payload(e: Any, number: int, pool_id: str, geo: Geometry) -> dict[str, Any]:
-    """A journal entry as the sync script takes it (``scripts/sync.lua``). Runs for every
-    entry of every Sync: each field is read once (``e`` is a proto message)."""
-    def refuse(problem: str) -> errors.InvalidArgument:
-        return errors.InvalidArgument(f"pool {pool_id}: journal entry {number}: {problem}")
-
-    kind = ENTRY_KINDS.get(e.kind)
-    if kind is None:
-        raise refuse(f"unknown kind {e.kind}")
-    sequence, num_tokens, child = e.sequence, e.num_tokens, e.child
-    if not 1 <= sequence <= MAX_SEQUENCE:
-        raise refuse(f"sequence {sequence} is out of range")
-    if not 1 <= num_tokens <= MAX_INT:
-        raise refuse(f"num_tokens {num_tokens} is out of range")
-    blocks = list(e.blocks)
-    if blocks and (min(blocks) < 0 or max(blocks) >= geo.num_blocks):
-        bad = next(b for b in blocks if not 0 <= b < geo.num_blocks)
-        raise refuse(f"block {bad} is outside 0..{geo.num_blocks - 1}")
-    if kind == "fork" and not 1 <= child <= MAX_SEQUENCE:
-        raise refuse(f"child {child} is out of range")
-    payload = {"kind": kind, "sequence": sequence, "num_tokens": num_tokens, "blocks": blocks,
-               "num_committed_blocks": 0, "parent_hash": "", "commits": [], "child": child}
-    commits = e.commits
-    if commits:
-        if kind not in ("commit", "grow"):
-            raise refuse("only COMMIT and GROW entries carry commits")
-        _commit_payload(payload, f"pool {pool_id}: journal entry {number}", e.parent_hash, commits, geo.block_size)
-    elif kind == "commit":
-        raise refuse("a commit needs at least one block")
-    return payload
 
 
 def _state(pool_id: str, epoch: int, rec: dict[str, Any], lease_id: str, block_size: int) -> SeqState:

@@ -86,6 +86,24 @@ class StepOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class JournalColumns:
+    """A run of journal entries, one list per field (``JournalEntries`` in the proto)."""
+
+    kinds: list[int] = field(default_factory=list)
+    sequences: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    children: list[int] = field(default_factory=list)
+    num_blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_commits: list[int] = field(default_factory=list)
+    commit_tokens: list[int] = field(default_factory=list)
+    parent_hashes: bytes = b""
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+
+@dataclass(frozen=True, slots=True)
 class ReserveRequest:
     """What a Sync asks of one pool's reserve (see PoolSync in the proto)."""
 
@@ -94,8 +112,8 @@ class ReserveRequest:
     want_blocks: int = 0
     returned_blocks: tuple[int, ...] = ()
     first_entry: int = 1
-    #: Journal entries (``pb.JournalEntry`` or anything with its fields), read as they are.
-    entries: tuple = ()
+    #: The journal entries from ``first_entry`` on.
+    entries: "JournalColumns | None" = None
     want_sequence_numbers: int = 0
     need_blocks: int = 0
 

@@ -22,10 +22,11 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``dead``   zset: lease id -> when it was reaped (tombstones, one hour)
 - ``stats``  hash: counters since the epoch began
 - ``tabs``   hash: sequence number -> its block table, 6 hex digits per block id
-- ``reserve`` zset (score 0): ``<lease>:<block id>``, the blocks reserved by each lease
-  (owned by that lease, in no table), read by lexicographic range
-- ``journal`` hash: lease id -> the number of the last entry of the lease's journal applied
-  in this pool (``scripts/sync.lua``)
+- ``reserve`` hash: block id -> the lease that holds it in reserve (in no table); a Sync
+  reads only the fields of the blocks it moves
+- ``journal`` hash: lease id -> ``"<applied> <reserved>"``: the number of the last entry
+  of the lease's journal applied in this pool, and the size of its reserve
+  (``scripts/lib/reserve.lua``)
 
 Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.core import Allocator
-from kvservice.allocator.domain import (Create, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant, ReserveRequest, SeqDelta, SeqState,
+from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant, ReserveRequest, SeqDelta, SeqState,
                                         StepOutcome, Update)
 from kvservice.common.geometry import Geometry
 from kvservice.errors import InvalidArgument
@@ -147,7 +147,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def Sync(self, request: pb.SyncRequest, context: Any) -> pb.SyncResponse:
         pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks), p.first_entry,
-                                tuple(p.entries), p.want_sequence_numbers, p.need_blocks) for p in request.pools]
+                                journal_from_pb(p.journal), p.want_sequence_numbers, p.need_blocks)
+                 for p in request.pools]
         lease, grants = await self.a.sync(request.lease_id, pools, request.request_id)
         return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])
 
@@ -160,3 +161,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                                                          num_reserved_blocks=h.num_reserved_blocks,
                                                          applied_entries=h.applied_entries) for h in holdings])
 
+
+
+def journal_from_pb(j: pb.JournalEntries) -> JournalColumns:
+    return JournalColumns(list(j.kinds), list(j.sequences), list(j.num_tokens), list(j.children),
+                          list(j.num_blocks), list(j.blocks), list(j.num_commits), list(j.commit_tokens),
+                          j.parent_hashes)

@@ -230,7 +230,7 @@ class Store:
         pipe.hlen(k["ref"])
         pipe.hlen(k["seqs"])
         pipe.zcard(k["leases"])
-        pipe.zcard(k["reserve"])
+        pipe.hlen(k["reserve"])
         pipe.hgetall(k["stats"])
 
     @staticmethod
@@ -284,7 +284,7 @@ class Store:
             pipe.zrange(k["lseq"], 0, -1)
             pipe.hgetall(k["stats"])
             pipe.hgetall(k["tabs"])
-            pipe.zrange(k["reserve"], 0, -1)
+            pipe.hgetall(k["reserve"])
             pipe.hgetall(k["journal"])
             self._queue_counts(pipe, pool_id)
             res = await pipe.execute()
@@ -307,8 +307,9 @@ class Store:
             "leases": {s(m): sc for m, sc in leases},
             "lseq": [s(m) for m in lseq],
             "stats": {s(a): int(b) for a, b in stats.items()},
-            "reserve": [(lease, int(b)) for lease, _, b in (s(m).rpartition(":") for m in reserve)],
-            "journal": {s(a): int(b) for a, b in journal.items()},
+            "reserve": [(s(lease), int(b)) for b, lease in reserve.items()],
+            # lease -> (last journal entry applied, reserve size as counted)
+            "journal": {s(a): tuple(int(x) for x in b.split()) for a, b in journal.items()},
             "counts": self._counts(res[14:]),
         }
 

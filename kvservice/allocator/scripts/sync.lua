@@ -4,28 +4,30 @@
 --- when it expires.
 ---
 --- Journal entries are numbered from 1 per (lease, pool epoch); the pool keeps the last
---- applied number (K_JOURNAL). A batch that starts after a gap is not applied (the reply's
+--- applied number (K_JOURNAL, lib/reserve). A batch that starts after a gap is not applied (the reply's
 --- applied says where to resume); entries applied before are skipped (a resend is a
---- no-op); the rest are applied all-or-nothing, each as its kind says:
----   grow   {sequence, num_tokens, blocks, commits?}: blocks (from the lease's reserve)
----          appended to the table, which then covers num_tokens; then the commits, if any
----          (as a commit entry's);
----   copy   {sequence, num_tokens, blocks = [dst]}: copy-on-write: dst (from the reserve)
----          replaces the shared partial last block (which loses a reference);
----   commit {sequence, num_tokens, num_committed_blocks (the first index), parent_hash,
----          commits = [hash hex of each block]}: full blocks join the prefix cache;
----   fork   {sequence, num_tokens, child}: a child (a sequence number granted to the
----          lease) shares every block of the sequence;
----   free   {sequence, num_tokens}: references dropped, last block first; a partial block
----          that reaches 0 goes back to the lease's reserve (the client keeps it), a full
----          one to the evictable set (hashed) or the free list.
+--- no-op); the rest are applied all-or-nothing, each as its kind says (kinds 1..5, the
+--- proto's JournalKind):
+---   1 grow   blocks (from the lease's reserve) appended to the table, which then covers
+---            num_tokens; then the commits, if any (as a commit entry's);
+---   2 copy   copy-on-write: the entry's block (from the reserve) replaces the shared
+---            partial last block (which loses a reference);
+---   3 commit the next full blocks after the committed ones join the prefix cache (parent:
+---            the sequence's last hash; commits: the hash hex of each block);
+---   4 fork   a child (a sequence number granted to the lease) shares every block;
+---   5 free   references dropped, last block first; a partial block that reaches 0 goes
+---            back to the lease's reserve (the client keeps it), a full one to the
+---            evictable set (hashed) or the free list.
 --- Every entry first sets the sequence's length to num_tokens (never below the recorded
 --- one, never beyond its table; not into a shared partial block: copy first).
 ---
 --- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py); KEYS[16]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
 ---   lease_id, lease_deadline_ms (0: attached to the pool already), first_entry (the
----   number of entries[1]), entries, want (the reserve size asked for), cap (the most a
+---   number of the journal's first entry), journal = {n, and columns of n: kinds,
+---   sequences, num_tokens, children, num_blocks, num_commits; blocks (num_blocks[i] per
+---   entry, in order), commits (num_commits[i] hash hex per entry), parents (the parent
+---   hash hex of each entry with commits)}, want (the reserve size asked for), cap (the most a
 ---   lease may hold), pressure_blocks (below this many free + evictable blocks the cap
 ---   drops to pressure_cap), pressure_cap, returned = [blocks given back],
 ---   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap)}
@@ -64,7 +66,8 @@ local recs, born, gone = {}, {}, {}   -- sequence field -> record; new and freed
 local stored = {}                     -- sequence field -> its record as read up front
 local known = {}                      -- hash -> block id or false, as read up front
 local hashed_before = {}              -- block -> its hash or false, read up front
-local mine = {}                       -- this lease's reserved blocks (true) as planned
+local mine = {}                       -- blocks in this lease's reserve (true), as planned
+local reserve_delta = 0               -- the reserve's size change, as planned
 local from_reserve, to_reserve = {}, {}
 local pending, reg_hs, reg_bs, dups = {}, {}, {}, {}
 local stats = {cow_copies = 0, sequences_created = 0, sequences_freed = 0}
@@ -100,8 +103,10 @@ end
 local function take(b)
   if not mine[b] then refuse('block ' .. field_of(b) .. ' is not in the reserve of lease ' .. lease) end
   mine[b] = nil
+  reserve_delta = reserve_delta - 1
   if init[b] == nil then init[b] = 'r'; orig[b] = 0 end
   refs[b] = 1
+  hashed_before[b] = false   -- (a reserved block never has a hash)
   from_reserve[b] = true
   to_reserve[b] = nil
 end
@@ -124,8 +129,7 @@ end
 
 -- Registers the hashes of a commit (a COMMIT entry's, or a GROW entry's commits).
 local function commit_blocks(rec, e, bs)
-  local first, hs = e.num_committed_blocks, e.commits
-  if first ~= rec.c then refuse('commit starts at block ' .. first .. ' but ' .. rec.c .. ' blocks are committed') end
+  local first, hs = rec.c, e.commits
   if e.parent_hash ~= rec.h then refuse('parent_hash does not match the last committed block') end
   if (first + #hs) * bs > rec.t then
     refuse('block ' .. (first + #hs - 1) .. ' is not full at num_tokens ' .. rec.t)
@@ -157,10 +161,36 @@ local function commit_blocks(rec, e, bs)
   if #hs > 0 then rec.h = hs[#hs] end
 end
 
+local GROW, COPY, COMMIT, FORK, FREE = 1, 2, 3, 4, 5
+
+-- Entries first .. J.n of the journal's columns as tables {kind, sequence, num_tokens,
+-- child, blocks, commits, parent_hash}.
+local function entry_views(J, first)
+  local out = {}
+  local bo, co, po = 0, 0, 0
+  local kinds, nb, nc, blocks, commits = J.kinds, J.num_blocks, J.num_commits, J.blocks, J.commits
+  for i = 1, J.n do
+    local k, c = nb[i], nc[i]
+    if i >= first then
+      local e = {kind = kinds[i], sequence = J.sequences[i], num_tokens = J.num_tokens[i], child = J.children[i],
+                 blocks = {}, commits = {}, parent_hash = ''}
+      for j = 1, k do e.blocks[j] = blocks[bo + j] end
+      if c > 0 then
+        for j = 1, c do e.commits[j] = commits[co + j] end
+        e.parent_hash = J.parents[po + 1]
+      end
+      out[#out + 1] = e
+    end
+    bo, co = bo + k, co + c
+    if c > 0 then po = po + 1 end
+  end
+  return out
+end
+
 local function apply_entry(e, bs)
   local rec, f = rec_of(e.sequence)
   local kind = e.kind
-  if kind == 'grow' then
+  if kind == GROW then
     local nb = rec_len(rec)
     if #e.blocks ~= math.ceil(e.num_tokens / bs) - nb then
       refuse('grow to ' .. e.num_tokens .. ' tokens needs ' .. (math.ceil(e.num_tokens / bs) - nb) ..
@@ -177,7 +207,7 @@ local function apply_entry(e, bs)
     end
     set_length(rec, e.num_tokens, bs)
     if #e.commits > 0 then commit_blocks(rec, e, bs) end
-  elseif kind == 'copy' then
+  elseif kind == COPY then
     local nb = rec_len(rec)
     if #e.blocks ~= 1 or nb == 0 or rec.t % bs == 0 then refuse('copy needs one block and a partial last block') end
     local src = last_block(rec)
@@ -189,10 +219,10 @@ local function apply_entry(e, bs)
     if nb > rec.nb then rec.add[nb - rec.nb] = dst else rec.cowlast = dst end
     stats.cow_copies = stats.cow_copies + 1
     set_length(rec, e.num_tokens, bs)
-  elseif kind == 'commit' then
+  elseif kind == COMMIT then
     set_length(rec, e.num_tokens, bs)
     commit_blocks(rec, e, bs)
-  elseif kind == 'fork' then
+  elseif kind == FORK then
     set_length(rec, e.num_tokens, bs)
     local cf = field_of(e.child)
     if recs[cf] or redis.call('HEXISTS', K_SEQS, cf) == 1 then refuse('sequence ' .. cf .. ' exists already') end
@@ -206,7 +236,7 @@ local function apply_entry(e, bs)
                 add = {}, lastb = false}
     born[cf] = true
     stats.sequences_created = stats.sequences_created + 1
-  elseif kind == 'free' then
+  elseif kind == FREE then
     set_length(rec, e.num_tokens, bs)
     local n = rec_len(rec)
     local blocks = rec_blocks(rec)
@@ -214,7 +244,7 @@ local function apply_entry(e, bs)
     for i = n, 1, -1 do
       local b = blocks[i]
       decref(b)
-      if refs[b] == 0 and i * bs > rec.t then to_reserve[b] = true; mine[b] = true end
+      if refs[b] == 0 and i * bs > rec.t then to_reserve[b] = true; mine[b] = true; reserve_delta = reserve_delta + 1 end
     end
     gone[f] = true
     stats.sequences_freed = stats.sequences_freed + 1
@@ -244,13 +274,13 @@ local function write_journal()
     local s = D[b] or dec(b)
     if r > 0 then
       if r ~= orig[b] then set_ref[#set_ref + 1] = s; set_ref[#set_ref + 1] = D[r] or dec(r) end
-      if init[b] == 'r' then unreserve[#unreserve + 1] = reserve_member(lease, b) end
+      if init[b] == 'r' then unreserve[#unreserve + 1] = s end
     elseif init[b] == 'u' or init[b] == 'r' then
       if init[b] == 'u' then del_ref[#del_ref + 1] = s end
       if to_reserve[b] then
-        if init[b] == 'u' then reserve_add[#reserve_add + 1] = 0; reserve_add[#reserve_add + 1] = reserve_member(lease, b) end
+        if init[b] == 'u' then reserve_add[#reserve_add + 1] = s; reserve_add[#reserve_add + 1] = lease end
       else
-        if init[b] == 'r' then unreserve[#unreserve + 1] = reserve_member(lease, b) end
+        if init[b] == 'r' then unreserve[#unreserve + 1] = s end
         if hashed[b] then
           if clock == nil then clock = tonumber(redis.call('HGET', K_STATE, 'clock')) or 0 end
           clock = clock + 1
@@ -264,8 +294,8 @@ local function write_journal()
   if clock ~= nil then redis.call('HSET', K_STATE, 'clock', clock) end
   if #set_ref > 0 then call_chunked('HSET', K_REF, set_ref, 2) end
   if #del_ref > 0 then call_chunked('HDEL', K_REF, del_ref) end
-  if #unreserve > 0 then call_chunked('ZREM', K_RESERVE, unreserve) end
-  if #reserve_add > 0 then call_chunked('ZADD', K_RESERVE, reserve_add, 2) end
+  if #unreserve > 0 then call_chunked('HDEL', K_RESERVE, unreserve) end
+  if #reserve_add > 0 then call_chunked('HSET', K_RESERVE, reserve_add, 2) end
   if #to_evict > 0 then call_chunked('ZADD', K_EVICT, to_evict, 2) end
   if #to_free > 0 then call_chunked('RPUSH', K_FREE, to_free) end
   local put_meta, put_tab, lseq_add, del, lseq_del = {}, {}, {}, {}, {}
@@ -290,58 +320,70 @@ end
 
 local ok, plan = guarded(function()
   local epoch, num_blocks, bs, attach = check_pool_and_lease()
-  local held = reserved_blocks(lease)
-  for _, b in ipairs(held) do mine[b] = true end
-  local applied = tonumber(redis.call('HGET', K_JOURNAL, lease)) or 0
+  local applied, reserved = lease_progress(lease)
   local first = p.first_entry
-  local entries = p.entries
+  local J = p.journal
+  local n = J.n
   local done = 0
-  if #entries > 0 then
+  if n > 0 then
     stats.journal_batches = 1
     if first > applied + 1 then
       stats.journal_gaps = 1
     else
-      stats.journal_resent_entries = math.min(#entries, applied + 1 - first)
+      stats.journal_resent_entries = math.min(n, applied + 1 - first)
     end
   end
-  if #entries > 0 and first <= applied + 1 then
-    -- Read up front, in two calls each: the records of every sequence the new entries
-    -- name, and which of their commits' hashes are cached already.
+  local entries = {}
+  if n > 0 and first <= applied + 1 then entries = entry_views(J, applied + 2 - first) end
+  -- Read up front, one call each: who holds the blocks the entries take and the returned
+  -- ones in reserve, the records of every sequence the entries name, and which of their
+  -- commits' hashes are cached already.
+  local rfields = {}
+  for _, e in ipairs(entries) do
+    for _, b in ipairs(e.blocks) do rfields[#rfields + 1] = D[b] or dec(b) end
+  end
+  for _, b in ipairs(p.returned) do rfields[#rfields + 1] = D[b] or dec(b) end
+  if #rfields > 0 then
+    local owners = hmget_chunked(K_RESERVE, rfields)
+    for i, f in ipairs(rfields) do
+      if owners[i] == lease then mine[tonumber(f)] = true end
+    end
+  end
+  if #entries > 0 then
     local fields, seen, hashes = {}, {}, {}
-    for i = applied + 2 - first, #entries do
-      local e = entries[i]
+    for _, e in ipairs(entries) do
       local f = field_of(e.sequence)
       if not seen[f] then seen[f] = true; fields[#fields + 1] = f end
       for _, h in ipairs(e.commits) do hashes[#hashes + 1] = h end
     end
-    if #fields > 0 then
-      local metas, tabs = hmget_chunked(K_SEQS, fields), hmget_chunked(K_TABS, fields)
-      local lasts = {}
-      for i, f in ipairs(fields) do
-        if metas[i] then
-          local rec = load_rec(metas[i], tabs[i])
-          stored[f] = rec
-          if rec.nb > 0 and rec.l == lease then lasts[#lasts + 1] = rec_block(rec, rec.nb) end
-        end
+    local metas, tabs = hmget_chunked(K_SEQS, fields), hmget_chunked(K_TABS, fields)
+    local lasts = {}
+    for i, f in ipairs(fields) do
+      if metas[i] then
+        local rec = load_rec(metas[i], tabs[i])
+        stored[f] = rec
+        if rec.nb > 0 and rec.l == lease then lasts[#lasts + 1] = rec_block(rec, rec.nb) end
       end
-      load_refs(lasts)   -- the last blocks: whether a write must copy them first
     end
+    load_refs(lasts)   -- the last blocks: whether a write must copy them first
     if #hashes > 0 then
       local got = hmget_chunked(K_H2B, hashes)
       for i, h in ipairs(hashes) do known[h] = got[i] or false end
-      -- the blocks the commits name, where the records say they are
-      local blocks, bfields = {}, {}
-      for i = applied + 2 - first, #entries do
-        local e = entries[i]
-        local rec = stored[field_of(e.sequence)]
+      -- the blocks the commits name, where the records say they are (each sequence's
+      -- commits continue from its committed blocks)
+      local blocks, bfields, committed = {}, {}, {}
+      for _, e in ipairs(entries) do
+        local f = field_of(e.sequence)
+        local rec = stored[f]
         if rec and #e.commits > 0 then
+          local c = committed[f] or rec.c
           for j = 1, #e.commits do
-            local idx = e.num_committed_blocks + j
-            if idx <= rec.nb then
-              local b = rec_block(rec, idx)
+            if c + j <= rec.nb then
+              local b = rec_block(rec, c + j)
               if not blocks[b] then blocks[b] = true; bfields[#bfields + 1] = D[b] or dec(b) end
             end
           end
+          committed[f] = c + #e.commits
         end
       end
       if #bfields > 0 then
@@ -349,9 +391,9 @@ local ok, plan = guarded(function()
         for i, s in ipairs(bfields) do hashed_before[tonumber(s)] = cur[i] or false end
       end
     end
-    for i = applied + 2 - first, #entries do
-      entry_no = first + i - 1
-      apply_entry(entries[i], bs)
+    for i, e in ipairs(entries) do
+      entry_no = applied + i
+      apply_entry(e, bs)
       done = done + 1
     end
   end
@@ -362,26 +404,24 @@ local ok, plan = guarded(function()
     end
     mine[b] = nil
   end
-  local kept = 0
-  for _ in pairs(mine) do kept = kept + 1 end
+  local kept = reserved + reserve_delta - #p.returned
   local available = available_now(num_blocks)
   local cap = p.cap
   if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
   local need = math.max(0, math.max(math.min(p.want, cap), p.need) - kept)
-  return {epoch = epoch, num_blocks = num_blocks, attach = attach, kept = kept, cap = cap,
+  return {epoch = epoch, num_blocks = num_blocks, attach = attach, kept = kept, reserved = reserved, cap = cap,
           need = math.min(need, available), applied = applied + done, done = done}
 end)
 if not ok then return plan end
 
 if plan.done > 0 then
   write_journal()
-  redis.call('HSET', K_JOURNAL, lease, plan.applied)
   stats.journal_entries = plan.done
 end
 if #p.returned > 0 then
-  local members, fields = {}, {}
-  for i, b in ipairs(p.returned) do members[i] = reserve_member(lease, b); fields[i] = D[b] or dec(b) end
-  call_chunked('ZREM', K_RESERVE, members)
+  local fields = {}
+  for i, b in ipairs(p.returned) do fields[i] = D[b] or dec(b) end
+  call_chunked('HDEL', K_RESERVE, fields)
   call_chunked('RPUSH', K_FREE, fields)
 end
 local granted = {}
@@ -394,9 +434,12 @@ if plan.need > 0 then
     redis.call('HSET', K_B2H, s, m[1])
   end
   local add = {}
-  for _, b in ipairs(granted) do add[#add + 1] = 0; add[#add + 1] = reserve_member(lease, b) end
-  call_chunked('ZADD', K_RESERVE, add, 2)
+  for _, b in ipairs(granted) do add[#add + 1] = D[b] or dec(b); add[#add + 1] = lease end
+  call_chunked('HSET', K_RESERVE, add, 2)
   stats.blocks_allocated = #granted
+end
+if plan.done > 0 or plan.kept + #granted ~= plan.reserved then
+  set_lease_progress(lease, plan.applied, plan.kept + #granted)
 end
 local first_seq, num_seqs = 0, 0
 if p.want_sequence_numbers > 0 then

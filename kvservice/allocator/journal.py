@@ -1,0 +1,117 @@
+"""The allocator's side of the journal: a Sync's entries checked and turned into what the
+sync script takes (``scripts/sync.lua``).
+
+Entries arrive in columns (``JournalEntries``); every check runs over whole columns in C
+(``min``/``max``/``sum``/``array``) and only a column that fails one is walked in Python,
+to name the first entry that is wrong. The hashes of the commits are computed here: the
+script cannot, and the allocator never takes a client's word for a hash.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvservice import errors
+from kvservice.allocator.domain import JournalColumns
+from kvservice.common import hashing
+from kvservice.common.geometry import Geometry
+
+MAX_INT = 2**31 - 1
+MAX_SEQUENCE = 10**15 - 1
+GROW, COPY, COMMIT, FORK, FREE = 1, 2, 3, 4, 5
+KIND_NAMES = {GROW: "GROW", COPY: "COPY", COMMIT: "COMMIT", FORK: "FORK", FREE: "FREE"}
+
+_COLUMNS = ("kinds", "sequences", "num_tokens", "children", "num_blocks", "num_commits")
+
+
+def journal_payload(j: JournalColumns | None, first_entry: int, pool_id: str, geo: Geometry,
+                    max_blocks: int) -> dict[str, Any]:
+    """The script's ``journal`` argument: the columns as they came, plus ``commits`` (the
+    hex hash of every committed block, in order) and ``parents`` (the hex parent hash of
+    each entry with commits). InvalidArgument names the first entry that is malformed."""
+    if j is None or not len(j):
+        if j is not None and any(getattr(j, c) for c in ("blocks", "commit_tokens", "parent_hashes", *_COLUMNS)):
+            raise errors.InvalidArgument(f"pool {pool_id}: the journal's columns have different lengths "
+                                         "(no kinds, but other columns)")
+        return {"n": 0}
+    n = len(j.kinds)
+    lengths = {c: len(getattr(j, c)) for c in _COLUMNS}
+    if set(lengths.values()) != {n}:
+        raise errors.InvalidArgument(f"pool {pool_id}: the journal's columns have different lengths "
+                                     f"({', '.join(f'{c} {k}' for c, k in lengths.items())})")
+    if not 1 <= first_entry <= MAX_INT - n:
+        raise errors.InvalidArgument(f"pool {pool_id}: first_entry {first_entry} is out of range "
+                                     "(entries are numbered from 1)")
+
+    def refuse(i: int, problem: str) -> errors.InvalidArgument:
+        return errors.InvalidArgument(f"pool {pool_id}: journal entry {first_entry + i}: {problem}")
+
+    kinds, seqs, toks, children = j.kinds, j.sequences, j.num_tokens, j.children
+    nblocks, ncommits = j.num_blocks, j.num_commits
+    if min(kinds) < GROW or max(kinds) > FREE:
+        i = next(i for i, k in enumerate(kinds) if k not in KIND_NAMES)
+        raise refuse(i, f"unknown kind {kinds[i]}")
+    if min(seqs) < 1 or max(seqs) > MAX_SEQUENCE:
+        i = next(i for i, s in enumerate(seqs) if not 1 <= s <= MAX_SEQUENCE)
+        raise refuse(i, f"sequence {seqs[i]} is out of range")
+    if min(toks) < 1 or max(toks) > MAX_INT:
+        i = next(i for i, t in enumerate(toks) if not 1 <= t <= MAX_INT)
+        raise refuse(i, f"num_tokens {toks[i]} is out of range")
+    if min(nblocks) < 0 or sum(nblocks) != len(j.blocks):
+        i = next((i for i, b in enumerate(nblocks) if b < 0), n - 1)
+        raise refuse(i, f"num_blocks {nblocks[i]}: the entries' num_blocks must be >= 0 and add up to "
+                        f"the {len(j.blocks)} blocks sent")
+    if len(j.blocks) > max_blocks:
+        raise errors.InvalidArgument(f"pool {pool_id}: more than {max_blocks} blocks in one call")
+    if j.blocks and (min(j.blocks) < 0 or max(j.blocks) >= geo.num_blocks):
+        bad = next(b for b in j.blocks if not 0 <= b < geo.num_blocks)
+        at, seen = 0, 0
+        for at, k in enumerate(nblocks):
+            if bad in j.blocks[seen:seen + k]:
+                break
+            seen += k
+        raise refuse(at, f"block {bad} is outside 0..{geo.num_blocks - 1}")
+    bs = geo.block_size
+    committing = n - ncommits.count(0)
+    if min(ncommits) < 0 or sum(ncommits) * bs != len(j.commit_tokens):
+        i = next((i for i, c in enumerate(ncommits) if c < 0), n - 1)
+        raise refuse(i, f"num_commits {ncommits[i]}: the entries' num_commits must be >= 0, and "
+                        f"{bs} commit_tokens per commit ({len(j.commit_tokens)} sent)")
+    if len(j.parent_hashes) != committing * hashing.HASH_BYTES:
+        raise errors.InvalidArgument(f"pool {pool_id}: parent_hashes must hold {hashing.HASH_BYTES} bytes "
+                                     f"per entry with commits ({committing}), got {len(j.parent_hashes)}")
+    # What each kind may carry (a run of GROW entries, the usual one, carries anything but
+    # a child: checked in C).
+    if kinds.count(GROW) != n or any(children):
+        for i, k in enumerate(kinds):
+            if children[i] and k != FORK:
+                raise refuse(i, "only FORK entries name a child")
+            if k == GROW:
+                continue
+            if nblocks[i] and k != COPY:
+                raise refuse(i, "only GROW and COPY entries carry blocks")
+            if ncommits[i] and k != COMMIT:
+                raise refuse(i, "only COMMIT and GROW entries carry commits")
+            if k == COPY and nblocks[i] != 1:
+                raise refuse(i, f"COPY carries one block, got {nblocks[i]}")
+            if k == COMMIT and not ncommits[i]:
+                raise refuse(i, "a commit needs at least one block")
+            if k == FORK and not 1 <= children[i] <= MAX_SEQUENCE:
+                raise refuse(i, f"child {children[i]} is out of range")
+    commits: list[str] = []
+    parents: list[str] = []
+    if committing:
+        at = next(i for i, c in enumerate(ncommits) if c)
+        data = hashing.token_bytes_checked(j.commit_tokens, f"pool {pool_id}: journal entry {first_entry + at}")
+        width, hb, off, h = 4 * bs, hashing.HASH_BYTES, 0, 0
+        ph = j.parent_hashes
+        for c in ncommits:
+            if c:
+                parent = ph[h:h + hb]
+                parents.append(parent.hex())
+                commits.extend(x.hex() for x in hashing.chain_hashes(parent, data[off:off + c * width], bs, c))
+                off += c * width
+                h += hb
+    return {"n": n, "kinds": kinds, "sequences": seqs, "num_tokens": toks, "children": children,
+            "num_blocks": nblocks, "blocks": j.blocks, "num_commits": ncommits, "commits": commits,
+            "parents": parents}
