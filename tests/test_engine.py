@@ -150,6 +150,27 @@ def test_a_small_pool_completes_everything_by_waiting_and_preempting(stack, smal
     assert too_big.failed == 1 and c.outputs == [[]] and "largest pool has 10" in c.error
 
 
+def test_local_mode_decodes_without_allocator_calls_and_matches_the_step_path(stack):
+    rng = random.Random(5)
+    requests = [Request(_prompt(rng, n), max_new_tokens=40, request_id=f"d{n}") for n in (5, 20)]
+    requests.append(Request(_prompt(rng, 37), max_new_tokens=40, n=3, temperature=0.8, seed=9, request_id="f"))
+    runs = {}
+    for local in (True, False):
+        calls: list[int] = []     # the client's RPCs on the engine's thread, after each step
+        engine = Engine(stack.target, local=local, progress=lambda p: calls.append(engine.client.rpc_count))
+        with engine:
+            report = engine.run(requests)
+        # Every create and fork is done by step 3; then the samples only decode, crossing
+        # two block boundaries each (the Step path calls the allocator for them).
+        runs[local] = report, calls[-1] - calls[3]
+    (local, local_calls), (remote, remote_calls) = runs[True], runs[False]
+    assert [c.outputs for c in local.completions] == [c.outputs for c in remote.completions]
+    assert (local.cow_copies, local.peak_blocks, local.tokens) == (remote.cow_copies, remote.peak_blocks, remote.tokens)
+    assert local.cow_copies == 2 and local.preemptions == remote.preemptions == 0
+    assert remote_calls >= 4
+    assert local_calls <= 1      # at most a reserve refill that the background one had not made yet
+
+
 def test_demo_json_prints_the_seven_figures():
     out = subprocess.run([sys.executable, "-m", "kvservice", "demo", "--json", "--quiet", "--requests", "8",
                           "--max-new-tokens", "8"], capture_output=True, text=True, timeout=180)

@@ -4,7 +4,8 @@ requests run by the continuous-batching engine, ending with a report.
 The workload is built to show what paging buys: requests share a few system prompts (the
 prefix cache serves them), some ask for four samples each (fork and copy-on-write share
 the prompt), and all run together on a small model (``tiny-llama``, random weights drawn
-from a seed) on the CPU. Progress goes to stderr, the report to stdout.
+from a seed) on the CPU. The engine uses the SDK's local mode (``--remote``: the Step
+path). Progress goes to stderr, the report to stdout.
 """
 
 from __future__ import annotations
@@ -82,13 +83,16 @@ def main(args: argparse.Namespace) -> int:
         requests = workload(args.seed, num_requests=args.requests, max_new_tokens=args.max_new_tokens)
         log(f"running {len(requests)} requests ({sum(r.n for r in requests)} samples) over "
             f"{len({tuple(r.prompt[:40]) for r in requests})} shared system prompts ...")
-        with Engine(stack.target, tenant="demo", progress=None if args.quiet else _progress) as engine:
+        with Engine(stack.target, tenant="demo", progress=None if args.quiet else _progress,
+                    local=not args.remote) as engine:
             report = engine.run(requests)
             audit = engine.client.audit()
+            reserved = engine.client.reserved_blocks() if engine.local else 0
         if not args.quiet:
             sys.stderr.write("\n")
         in_use = sum(p.num_used_blocks for p in audit.pools)
-        log(f"audit: {'ok' if audit.ok else 'FAILED'}; blocks in use after the run: {in_use}")
+        log(f"audit: {'ok' if audit.ok else 'FAILED'}; blocks in use after the run: {in_use}"
+            + (f" (the engine's lease held {reserved} more in reserve until it closed)" if reserved else ""))
         for problem in audit.problems:
             log(f"  {problem}")
     log(f"stopped the stack ({time.monotonic() - started:.1f} s in all)")
@@ -114,5 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests in the workload (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per sample (default 24)")
     parser.add_argument("--seed", type=int, default=7, help="seed of the workload and its sampling (default 7)")
+    parser.add_argument("--remote", action="store_true",
+                        help="the SDK's Step path: every ownership change of an engine step in one synchronous "
+                             "allocator call (default: local mode, no allocator call while decoding)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress or start-up lines on stderr")

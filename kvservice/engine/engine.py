@@ -1,8 +1,11 @@
 """A continuous-batching inference engine over the allocator and the workers' ``Forward``.
 
-Each engine step makes exactly one ``Client.step`` (every create, append, fork and free of
-the step in one batched allocator call), then one ``Forward`` RPC per worker, all workers
-in parallel. Prompts are placed by the allocator (longest cached prefix, then most free
+The SDK runs in local mode by default (DESIGN §5): each engine step's appends, forks and
+frees change the client's block tables at once, with no allocator RPC (the journal reaches
+the allocator in the background); only the step's creates make one synchronous call, the
+prefix lookup being global. ``local=False`` sends every ownership change of the step in
+one batched ``Step`` RPC instead. Then one ``Forward`` RPC per worker, all workers in
+parallel. Prompts are placed by the allocator (longest cached prefix, then most free
 blocks); only their uncached part is computed. ``n > 1`` samples share the prompt through
 fork and copy-on-write. When a pool runs short, admission waits and decoding preempts the
 most recently admitted request, which is recomputed later from its tokens so far. See
@@ -172,12 +175,16 @@ class Engine:
         return_logits: keep every generated token's logits row in the completions.
         progress: called with a ``Progress`` after every step.
         timeout: seconds per RPC.
+        local: the SDK's local mode (no allocator RPC on the decode path); False: every
+            step's ownership changes in one synchronous ``Step`` RPC.
     """
 
     def __init__(self, allocator: str, *, tenant: str = "engine", max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, return_logits: bool = False,
-                 progress: Callable[[Progress], None] | None = None, timeout: float = 60.0) -> None:
-        self.client = Client(allocator, tenant=tenant, lease_ttl=30.0, timeout=timeout)
+                 progress: Callable[[Progress], None] | None = None, timeout: float = 60.0,
+                 local: bool = True) -> None:
+        self.local = local
+        self.client = Client(allocator, tenant=tenant, lease_ttl=30.0, timeout=timeout, local=local)
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.return_logits, self.progress, self.timeout = return_logits, progress, timeout
         self._stubs: dict[str, wpb_grpc.WorkerStub] = {}
@@ -250,6 +257,7 @@ class Engine:
                 self.progress(Progress(self.report.steps, len(self._running), len(self._waiting),
                                        sum(j.done for j in jobs), len(jobs), self.report.tokens,
                                        self._used_blocks()))
+        self.client.flush()   # local mode: the allocator has applied every free when run returns
         r = self.report
         for job in jobs:   # in submission order
             r.completions.append(Completion(
@@ -272,7 +280,8 @@ class Engine:
     # ------------------------------------------------------------ one step
 
     def _step(self) -> None:
-        """One allocator call, then one Forward per worker."""
+        """The step's ownership changes (local, or one allocator call), then one Forward
+        per worker."""
         r = self.report
         r.steps += 1
         appends: dict[Sequence, list[int]] = {}
@@ -288,18 +297,11 @@ class Engine:
         creates = self._plan_creates(appends, forks)
         frees = list(self._to_free)
         before = {s: s.num_tokens for s in appends}
-        shortage = None
-        try:
-            result = self.client.step(appends, forks=forks, frees=frees,
-                                      creates=[(tokens, "", b"") for _, _, tokens in creates])
-            created: list[Sequence | None] = list(result.created)
-        except errors.ResourceExhausted as exc:
-            shortage = exc
-            result = exc.result if isinstance(exc.result, StepResult) else StepResult()
-            done = iter(result.created)
-            states = exc.partial.created if exc.partial is not None else []
-            created = [next(done) if i < len(states) and states[i].sequence_id else None
-                       for i in range(len(creates))]
+        prompts = [(tokens, "", b"") for _, _, tokens in creates]
+        if self.local:
+            result, created, shortage = self._change_locally(appends, forks, frees, prompts)
+        else:
+            result, created, shortage = self._change(appends, forks, frees, prompts)
         self._to_free = [s for s in self._to_free if not s.freed]
         for (job, b, tokens), seq in zip(creates, created):
             if seq is None:
@@ -336,6 +338,48 @@ class Engine:
             time.sleep(0.02)   # nothing could run: the pools are held by someone else
         self._running = [j for j in self._running if not j.done]
 
+    def _change_locally(self, appends: dict, forks: dict, frees: list, creates: list
+                        ) -> tuple[StepResult, list[Sequence | None], errors.ResourceExhausted | None]:
+        """Local mode: the step's changes as ``_change`` returns them, in three parts.
+
+        The frees first: the blocks they release serve this step's growth (the SDK sizes a
+        step's reserve before it applies the step's own frees). Then appends and forks, with
+        no RPC, so that a refused create cannot take their copy pairs and children with it.
+        Then the creates, the step's only synchronous call.
+
+        NOTE: with several pools each create is a call of its own, so that a refusal never
+        splits a call between pools: the SDK does not journal the sequences that a
+        partially refused create call made in the other pools (their next change fails).
+        """
+        self._change({}, {}, frees, [])
+        result, _, shortage = self._change(appends, forks, [], [])
+        created: list[Sequence | None] = []
+        for batch in ([creates] if len(self._stubs) == 1 else [[c] for c in creates]):
+            made, got, refused = self._change({}, {}, [], batch)
+            result.copies.extend(made.copies)
+            created.extend(got)
+            shortage = shortage or refused
+        return result, created, shortage
+
+    def _change(self, appends: dict, forks: dict, frees: list, creates: list
+                ) -> tuple[StepResult, list[Sequence | None], errors.ResourceExhausted | None]:
+        """One ``Client.step``: its result, the created sequences (None where a create was
+        refused) and the ResourceExhausted it raised, if any. On RESOURCE_EXHAUSTED the
+        result holds what was applied all the same (a remote step's other pools; in local
+        mode, nothing: the SDK refuses a step its reserves cannot cover before any change)."""
+        if not (appends or forks or frees or creates):
+            return StepResult(), [], None
+        try:
+            result = self.client.step(appends, forks=forks, frees=frees, creates=creates)
+            return result, list(result.created), None
+        except errors.ResourceExhausted as exc:
+            result = exc.result if isinstance(exc.result, StepResult) else StepResult()
+            done = iter(result.created)
+            states = exc.partial.created if exc.partial is not None else []
+            created = [next(done) if i < len(states) and states[i].sequence_id else None
+                       for i in range(len(creates))]
+            return result, created, exc
+
     def _plan_creates(self, appends: dict, forks: dict) -> list[tuple[_Job, _Branch, list[int]]]:
         """This step's creates, as (job, branch, prompt tokens): unplaced branches of running
         jobs, then waiting jobs in order, while the predicted free blocks, ``max_num_seqs``
@@ -343,7 +387,10 @@ class Engine:
         creates: list[tuple[_Job, _Branch, list[int]]] = []
         if self._hold:
             return creates
-        avail = {p: self._num_blocks[p] - self._used_blocks(p) for p in self._stubs}
+        # Local mode: the lease's reserve holds blocks in no table, which creates cannot take
+        # (the SDK counts them over all pools: an overestimate for each pool).
+        reserved = self.client.reserved_blocks() if self.local else 0
+        avail = {p: self._num_blocks[p] - self._used_blocks(p) - reserved for p in self._stubs}
         for s in appends:
             if s.pool in avail and (s.num_tokens % s.block_size == 0 or s in forks):
                 avail[s.pool] -= 1 + len(forks.get(s, ()))
