@@ -96,6 +96,10 @@ class Sequence:
         #: _logged: the length the journal has told the allocator.
         self._room = 0
         self._logged = self._num_tokens
+        self._prompt_hashes = state.block_hashes   # (a create's reply: its committed blocks' hashes)
+        #: Lost in a resync (the allocator lost writes and could not keep it): see
+        #: ``Client.lost_sequences``.
+        self.lost = False
         self.freed = False
 
     @property
@@ -195,6 +199,10 @@ class Client:
         self.journal_error: errors.KvsError | None = None
         self._journals: dict[str, PoolJournal] = {}
         self._live: set[Sequence] = set()      # (local) the sequences not freed
+        self._lost: list[Sequence] = []         # (local) lost in resyncs, not yet taken
+        self._resyncing = False                 # (local) a pool must resync first
+        self._unanswered: tuple[pb.SyncRequest, list[PoolJournal]] | None = None   # (local) to send again
+        self.resync_count = 0
         self._lock = threading.RLock()
         self._sync_lock = threading.Lock()
         self._wake = threading.Event()
@@ -380,6 +388,8 @@ class Client:
         """A step whose ownership changes are local: no RPC unless it creates sequences
         (the prefix lookup is global) or a pool's reserve cannot cover it."""
         self._check_alive()
+        if self._resyncing:
+            self._sync_once()        # (no change until the pools agree again)
         result = StepResult()
         # The decode step's common case first: tokens that stay inside a private partial
         # block change the sequence alone (as in an in-process block manager); the rest
@@ -413,7 +423,9 @@ class Client:
                 created = self._step_remote({}, {}, [], creates)
             with self._lock:
                 for seq in created.created:
-                    self._journal(seq).hold(seq._table)
+                    pj = self._journal(seq)
+                    pj.hold(seq._table)
+                    pj.hash_of.update(zip(seq._table, seq._prompt_hashes))
                     seq._logged = seq._num_tokens
                     seq._room = _room(seq)
                     self._live.add(seq)
@@ -454,13 +466,13 @@ class Client:
             if s.__class__ is not Sequence and not isinstance(s, Sequence) or s.client is not self:
                 raise ValueError(f"{s!r} is not a sequence of this client")
             if s.freed:
-                raise ValueError(f"sequence {s.id} was freed")
+                raise _freed(s)
             for t in tokens:
                 if t.__class__ is not int and (not isinstance(t, int) or isinstance(t, bool)):
                     raise TypeError(f"token ids must be int, got {t!r} for sequence {s.id}")
         for s in (*forks, *frees):
             if s.freed:
-                raise ValueError(f"sequence {s.id} was freed")
+                raise _freed(s)
         self._ensure_reserves(appends, forks)
         with self._lock:
             for s in frees:
@@ -545,8 +557,10 @@ class Client:
         if k > 0:      # one entry: the growth and the blocks that filled
             parent = last = s._last_hash
             data = s._tail[:k * bs]
+            hash_of, at = pj.hash_of, s._committed
             for i in range(0, k * bs, bs):
-                last = hashing.block_hash(last, data[i:i + bs])
+                last = hash_of[table[at]] = hashing.block_hash(last, data[i:i + bs])
+                at += 1
             pj.log(GROW, s.number, t1, blocks, commit_tokens=data, num_commits=k, parent_hash=parent)
             s._apply_commits(t1 // bs, last)
             s._logged = t1
@@ -591,16 +605,19 @@ class Client:
         for _ in range(100):
             self._sync_once()
             with self._lock:
-                if not any(j.pending for j in self._journals.values()):
+                if not any(j.pending or j.resyncing for j in self._journals.values()):
                     return
         raise errors.Unavailable("the journal could not be flushed")
 
     def _sync_once(self, short: dict[str, tuple[int, int]] | None = None, *, background: bool = False,
                    recheck: Callable[[], dict] | None = None) -> None:
-        """One Sync: every pool's pending entries, refills and returns; a keep-alive.
+        """One Sync: every pool's pending entries, refills and returns; a keep-alive. A Sync
+        that got no answer is sent again first, as it was.
         ``recheck``: a shortfall that the Sync in flight (the flusher's) may have covered
         already: it is asked again once that one is done, and no Sync is sent if it is."""
         with self._sync_lock:
+            if self._unanswered is not None and not self._exchange(*self._unanswered, background=background):
+                return
             if recheck is not None:
                 short = recheck()
                 if not short:
@@ -609,41 +626,99 @@ class Client:
                 journals = list(self._journals.values())
                 parts = []
                 for pj in journals:
+                    if pj.resyncing:
+                        parts.append(pj.resync_request(self._claims(pj)))
+                        continue
                     part = pj.sync_request()
                     if short and pj.pool_id in short:
                         blocks, numbers = short[pj.pool_id]
                         part["need_blocks"] = blocks
                         part["want_sequence_numbers"] = max(part["want_sequence_numbers"], numbers + pj.NUMBERS)
                     parts.append(part)
-                sent_at = time.monotonic()
             # (built outside the lock: copying the entries into the message takes a while)
             for part in parts:
-                part["journal"] = pb.JournalEntries(**part["journal"])
+                if "journal" in part:
+                    part["journal"] = pb.JournalEntries(**part["journal"])
             request = pb.SyncRequest(lease_id=self.lease_id, request_id=_request_id(),
                                      pools=[pb.PoolSync(**part) for part in parts])
-            try:
-                if background:
-                    self.sync_count += 1
-                    reply = self.stub.Sync(request, timeout=self.timeout)
-                else:
-                    reply = self._call(self.stub.Sync, request)
-            except (grpc.RpcError, errors.KvsError) as exc:
-                err = to_domain_error(exc) if isinstance(exc, grpc.RpcError) else exc
+            self._exchange(request, journals, background=background)
+
+    def _exchange(self, request: pb.SyncRequest, journals: list[PoolJournal], *, background: bool) -> bool:
+        """Sends one Sync and applies its reply; returns whether it went through (the
+        flusher's), or raises (the caller's). A Sync that fails without an answer (no
+        replica within the retry budget, a reply lost after the call was applied) stays
+        the one to send, unchanged, under its request id: the allocator answers a resend of
+        an applied Sync with its first outcome, so blocks it granted are not lost and
+        blocks being returned are never used again meanwhile."""
+        self._unanswered = (request, journals)
+        sent_at = time.monotonic()
+        try:
+            if background:
+                self.sync_count += 1
+                reply = self.stub.Sync(request, timeout=self.timeout)
+            else:
+                reply = self._call(self.stub.Sync, request)
+        except (grpc.RpcError, errors.KvsError) as exc:
+            err = to_domain_error(exc) if isinstance(exc, grpc.RpcError) else exc
+            definitive = True
+            if isinstance(err, (errors.NotFound, errors.LeaseExpired)):
+                self.lease_error = err
+            elif isinstance(err, (errors.InvalidArgument, errors.FailedPrecondition, errors.PermissionDenied)):
+                self.journal_error = err      # the allocator refused the journal: nothing more can apply
+            else:
+                definitive = False            # UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED...: sent again
+            if definitive:
+                self._unanswered = None
                 with self._lock:
                     for pj in journals:
                         pj.sync_failed()
-                if isinstance(err, (errors.NotFound, errors.LeaseExpired)):
-                    self.lease_error = err
-                elif isinstance(err, (errors.InvalidArgument, errors.FailedPrecondition, errors.PermissionDenied)):
-                    self.journal_error = err      # the allocator refused the journal: nothing more can apply
-                # (anything else, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED...: the next Sync resends)
-                if background:
-                    return
-                raise err from None
-            with self._lock:
-                for pj, ack in zip(journals, reply.pools):
+            if background:
+                return False
+            raise err from None
+        self._unanswered = None
+        with self._lock:
+            for pj, ack in zip(journals, reply.pools):
+                if ack.resynced:
+                    self._resynced(pj, ack)
+                else:
                     pj.synced(ack)
-                self._alive_until = sent_at + _fence(self.lease.ttl_seconds)
+            self._resyncing = any(j.resyncing for j in self._journals.values())
+            self._alive_until = sent_at + _fence(self.lease.ttl_seconds)
+        return True
+
+    def _claims(self, pj: PoolJournal) -> list[pb.SequenceClaim]:
+        """Every live sequence of the pool as this client holds it (for a resync)."""
+        hb = hashing.HASH_BYTES
+        missing = bytes(hb)     # (never: every committed block's hash is kept; a wrong one loses the sequence)
+        return [pb.SequenceClaim(sequence=s.number, num_tokens=s._num_tokens, block_table=s._table,
+                                 num_committed_blocks=s._committed, last_hash=s._last_hash,
+                                 block_hashes=b"".join(pj.hash_of.get(b, missing) for b in s._table[:s._committed]),
+                                 num_cached_tokens=s.num_cached_tokens)
+                for s in self._live if s.pool == pj.pool_id]
+
+    def _resynced(self, pj: PoolJournal, ack: pb.PoolReserve) -> None:
+        """A resync's reply: the lost sequences are dropped (see ``lost_sequences``)."""
+        lost = set(ack.lost_sequences)
+        kept = []
+        for s in [s for s in self._live if s.pool == pj.pool_id]:
+            if s.number in lost:
+                s.lost = s.freed = True
+                s._room = 0
+                self._live.discard(s)
+                self._lost.append(s)
+            else:
+                kept.append(s._table)
+                s._logged = s._num_tokens      # (the claim carried its length)
+        pj.resynced(ack, kept)
+        self.resync_count += 1
+
+    def lost_sequences(self) -> list[Sequence]:
+        """The sequences lost in resyncs since the last call (each once): the allocator
+        lost writes and could not prove their blocks were still this client's. Their
+        handles refuse every change (``kvservice.errors.SequenceLost``); recompute them."""
+        with self._lock:
+            out, self._lost = self._lost, []
+        return out
 
     def _flusher(self) -> None:
         """Sends the journal every ``flush_interval`` while there is something to send,
@@ -656,8 +731,9 @@ class Client:
             if self._stop.is_set() or self.lease_error is not None:
                 return
             with self._lock:
-                busy = any(j.pending or j.returning or j.low() or (j.cap and len(j.reserve) > j.cap)
-                           for j in self._journals.values())
+                busy = self._unanswered is not None or any(
+                    j.pending or j.returning or j.resyncing or j.low() or (j.cap and len(j.reserve) > j.cap)
+                    for j in self._journals.values())
             now = time.monotonic()
             if busy or now - last >= keepalive_every:
                 self._sync_once(background=True)
@@ -820,6 +896,13 @@ def _int(text: str | None) -> int:
         return int(text or 0)
     except ValueError:
         return 0
+
+
+def _freed(s: Sequence) -> errors.KvsError | ValueError:
+    if s.lost:
+        return errors.SequenceLost(f"sequence {s.id} was lost when the allocator resynchronised after losing "
+                                   "writes: recompute it")
+    return ValueError(f"sequence {s.id} was freed")
 
 
 def _room(s: Sequence) -> int:

@@ -12,6 +12,7 @@ domain ``kvservice``) that the status details carry, finer than the status code:
 reason                 status               meaning
 =====================  ===================  =================================================
 NOT_FOUND              NOT_FOUND            unknown pool, lease or sequence
+SEQUENCE_LOST          NOT_FOUND            (SDK) a sequence lost in a resync (recompute it)
 INVALID_ARGUMENT       INVALID_ARGUMENT     malformed input; nothing changed
 FAILED_PRECONDITION    FAILED_PRECONDITION  a call out of order (e.g. an append into a
                                             shared block without a step)
@@ -55,6 +56,14 @@ class NotFound(KvsError):
 
     code = grpc.StatusCode.NOT_FOUND
     reason = "NOT_FOUND"
+
+
+class SequenceLost(NotFound):
+    """(SDK) A sequence the allocator could not keep when it resynchronised with this
+    client after losing writes: its blocks may be another lease's now. Recompute it, as
+    after a preemption (``Client.lost_sequences()`` lists them)."""
+
+    reason = "SEQUENCE_LOST"
 
 
 class InvalidArgument(KvsError):

@@ -51,6 +51,12 @@ class PoolJournal:
         self.reserve: list[int] = []
         self.numbers: deque[int] = deque()
         self.refs: dict[int, int] = {}
+        #: The hash of each committed block the tables hold (sent in a resync).
+        self.hash_of: dict[int, bytes] = {}
+        #: A reply showed the pool lost acknowledged entries: the next Sync resyncs.
+        self.resyncing = False
+        self.resync_from = 0        # the first entry number after the resync in flight
+        self.resync_drops = 0       # pending entries its snapshot includes
         self.kinds: list[int] = []
         self.sequences: list[int] = []
         self.num_tokens: list[int] = []
@@ -96,6 +102,8 @@ class PoolJournal:
             del refs[b]
             if (i + 1) * bs > num_tokens:
                 self.reserve.append(b)
+            else:
+                self.hash_of.pop(b, None)
 
     def shared(self, b: int) -> bool:
         return self.refs.get(b, 0) > 1
@@ -125,20 +133,25 @@ class PoolJournal:
 
     def acknowledge(self, applied: int) -> None:
         """Drops the entries up to ``applied`` (the allocator has them)."""
-        done = min(applied - self.first_pending + 1, len(self.kinds))
-        if done > 0:
+        self._drop(min(applied - self.first_pending + 1, len(self.kinds)), measure=True)
+        self.applied = max(self.applied, applied)
+
+    def _drop(self, done: int, *, measure: bool) -> None:
+        """Drops the first ``done`` pending entries (recording their lags if ``measure``)."""
+        if done <= 0:
+            return
+        if measure:
             now = time.monotonic()
             self.lags.extend(now - t for t in self.logged_at[:done])
-            del self.logged_at[:done]
-            nb, nc = self.num_blocks[:done], self.num_commits[:done]
-            del self.blocks[:sum(nb)]
-            del self.commit_tokens[:sum(nc) * self.block_size]
-            del self.parent_hashes[:done - nc.count(0)]
-            for column in (self.kinds, self.sequences, self.num_tokens, self.children, self.num_blocks,
-                           self.num_commits):
-                del column[:done]
-            self.first_pending += done
-        self.applied = max(self.applied, applied)
+        del self.logged_at[:done]
+        nb, nc = self.num_blocks[:done], self.num_commits[:done]
+        del self.blocks[:sum(nb)]
+        del self.commit_tokens[:sum(nc) * self.block_size]
+        del self.parent_hashes[:done - nc.count(0)]
+        for column in (self.kinds, self.sequences, self.num_tokens, self.children, self.num_blocks,
+                       self.num_commits):
+            del column[:done]
+        self.first_pending += done
 
     def _batch(self) -> int:
         """How many pending entries the next Sync carries."""
@@ -185,7 +198,16 @@ class PoolJournal:
                 "want_sequence_numbers": self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0}
 
     def synced(self, reply: pb.PoolReserve) -> None:
-        """Applies a Sync's reply for this pool."""
+        """Applies a Sync's reply for this pool (a resync's: ``resynced``)."""
+        if reply.applied_entries < self.applied and not reply.resynced:
+            # The pool lost entries it had acknowledged (Redis lost writes): what it
+            # granted or took back since is unknown; the next Sync sends the whole state.
+            self.resyncing = True
+            self.reserve.extend(self.returning)
+            self.returning = []
+            self.reserve.extend(reply.granted_blocks)
+            self.cap = reply.reserve_cap
+            return
         self.acknowledge(reply.applied_entries)
         self.returning = []
         self.reserve.extend(reply.granted_blocks)
@@ -197,3 +219,29 @@ class PoolJournal:
         """A Sync that did not go through: the returned blocks are still ours."""
         self.reserve.extend(self.returning)
         self.returning = []
+
+    def resync_request(self, claims: list[pb.SequenceClaim]) -> dict:
+        """This pool's part of a Sync that resyncs: ``claims`` (every live sequence, as
+        held now) cover the pending entries; the journal continues after them."""
+        self.resync_drops = len(self.kinds)
+        self.resync_from = self.first_pending + len(self.kinds)
+        self.numbers.clear()      # (the pool may grant them again: it lost the grant)
+        return {"pool_id": self.pool_id, "epoch": self.epoch, "first_entry": self.resync_from,
+                "resync": pb.PoolResync(sequences=claims)}
+
+    def resynced(self, reply: pb.PoolReserve, tables: list[list[int]]) -> None:
+        """Applies a resync's reply: the entries the snapshot covered are dropped, the
+        pool's reserve replaces ours, and ``tables`` (the sequences kept) hold the blocks."""
+        self._drop(self.resync_drops, measure=False)
+        self.first_pending = self.resync_from
+        self.applied = self.resync_from - 1
+        self.reserve = list(reply.reserve_blocks)
+        self.returning = []
+        self.cap = reply.reserve_cap
+        refs: dict[int, int] = {}
+        for table in tables:
+            for b in table:
+                refs[b] = refs.get(b, 0) + 1
+        self.refs = refs
+        self.hash_of = {b: h for b, h in self.hash_of.items() if b in refs}
+        self.resyncing = False

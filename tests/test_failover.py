@@ -274,10 +274,12 @@ def test_a_client_paused_past_its_ttl_refuses_its_next_append_after_it_resumes(r
 
 class DropReply(grpc.aio.ServerInterceptor):
     """Lets ``method``'s handler run, then answers UNAVAILABLE instead of its reply, once
-    ``armed``; counts the calls that reached the handler."""
+    ``armed`` (every time while armed, with ``every``); counts the calls that reached the
+    handler."""
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, *, every: bool = False) -> None:
         self.method = f"/{SERVICE_NAME}/{method}"
+        self.every = every
         self.armed = False
         self.dropped = 0
         self.handled = 0
@@ -292,7 +294,7 @@ class DropReply(grpc.aio.ServerInterceptor):
             reply = await inner(request, context)
             self.handled += 1
             if self.armed:
-                self.armed = False
+                self.armed = self.every
                 self.dropped += 1
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost (test)")
             return reply
@@ -375,6 +377,40 @@ def test_a_call_applied_whose_reply_is_lost_is_resent_and_applied_once(redis_url
             finally:
                 c.close()
     assert outcomes[True] == outcomes[False]          # applied once: as if no reply had been lost
+
+
+def test_a_sync_whose_every_reply_is_lost_is_sent_again_as_it_was(redis_url):
+    """The retry policy gives up on a Sync that was applied: the blocks it was returning
+    stay unusable and the blocks it granted are not lost, since the same request (same
+    request id) is sent again until it is answered."""
+    dropper = DropReply("Sync", every=True)
+    with DroppingServer(redis_url, dropper) as server:
+        with Client(server.target, tenant="admin") as admin:
+            admin.register_pool("p0", num_blocks=64, block_size=4)
+        c = Client(server.target, tenant="a", lease_ttl=30.0, local=True, flush_interval=3600, retry_budget=0.2)
+        try:
+            c.flush()
+            seqs = [c.create([1, 2, 3, 4, 5 + i], pool="p0") for i in range(6)]   # partial last blocks
+            c.flush()
+            c.step(frees=seqs)                # 6 partial blocks back in the reserve: a surplus to return
+            dropper.armed = True
+            with pytest.raises(errors.Unavailable):
+                c.flush()                     # applied (the surplus returned), every reply lost
+            dropper.armed = False
+            assert dropper.dropped >= 2
+            with Client(server.target, tenant="b", lease_ttl=30.0) as other:
+                theirs = other.create(list(range(100, 124)), pool="p0")    # from the free list
+                mine = c.create([7, 7, 7, 7], pool="p0")
+                mine.append([8])              # a block from the reserve, never one returned
+                assert not set(theirs.block_table) & set(mine.block_table), (theirs.block_table, mine.block_table)
+                c.flush()
+                assert c.journal_error is None and c.lease_error is None
+                assert audit(redis_url) == []
+                held = stats(redis_url, "p0")["num_reserved_blocks"]
+                assert held == c.reserved_blocks(), (held, c.reserved_blocks())
+        finally:
+            c.close()
+    assert audit(redis_url) == []
 
 
 def redis_flush(url: str) -> None:

@@ -21,7 +21,7 @@ from kvservice.allocator.config import Settings
 from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, ReserveGrant,
                                         ReserveRequest, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id)
-from kvservice.allocator.journal import journal_payload
+from kvservice.allocator.journal import journal_payload, resync_payload
 from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
 from kvservice.common.settings import check_pool_id, echo
@@ -211,11 +211,14 @@ class Allocator:
                 if not 0 <= b < geo.num_blocks:
                     raise errors.InvalidArgument(f"pool {r.pool_id}: returned block {b} is outside "
                                                  f"0..{geo.num_blocks - 1}")
-        entries = {}
+        entries: dict[str, Any] = {}
         for r in pools:
             _, geo = await self.geometry(r.pool_id)
-            entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
-                                                 self.settings.max_blocks_per_call)
+            if r.resync is not None:
+                entries[r.pool_id] = resync_payload(r, geo)
+            else:
+                entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
+                                                     self.settings.max_blocks_per_call)
         lease = await self.keep_alive(lease_id)
         if not pools:
             return lease, []
@@ -224,10 +227,21 @@ class Allocator:
                                         for r in pools))
         return lease, list(grants)
 
-    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: dict[str, Any], deadline: int,
+    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: Any, deadline: int,
                          request_id: str) -> ReserveGrant:
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
+        cap = max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks))
+        if r.resync is not None:
+            payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
+                       "fingerprint": fingerprint("resync", [lease_id, r.pool_id, r.epoch, r.first_entry, entries])
+                       if request_id else "",
+                       "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
+                       "first_entry": r.first_entry, "cap": cap, "claims": entries}
+            reply = await self._attached(lease_id, r.pool_id, payload, self.store.resync)
+            return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
+                                lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
+                                resynced=True)
         returned = [int(b) for b in r.returned_blocks]
         # The entries are known by their numbers (a resend is a no-op by numbering): the
         # fingerprint covers the rest of the request and which entries it carries.
@@ -237,18 +251,23 @@ class Allocator:
                    "fingerprint": fingerprint("sync", request) if request_id else "",
                    "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
                    "first_entry": r.first_entry, "journal": entries,
-                   "want": r.want_blocks, "cap": max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks)),
+                   "want": r.want_blocks, "cap": cap,
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
                    "pressure_cap": s.reserve_min_blocks, "returned": returned,
                    "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks}
-        try:
-            reply = await self.store.sync(payload)
-        except ScriptError:   # LEASE_UNKNOWN: the pool forgot the lease (re-registered); attach again
-            self._leases.pop(lease_id, None)
-            _, payload["lease_deadline_ms"] = await self._attach(lease_id, [r.pool_id])
-            reply = await self.store.sync(payload)
+        reply = await self._attached(lease_id, r.pool_id, payload, self.store.sync)
         return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"])
+
+    async def _attached(self, lease_id: str, pool_id: str, payload: dict[str, Any], call: Any) -> dict[str, Any]:
+        """A Sync script call; once more after attaching the lease again when the pool no
+        longer knows it (LEASE_UNKNOWN: re-registered since it was attached)."""
+        try:
+            return await call(payload)
+        except ScriptError:
+            self._leases.pop(lease_id, None)
+            _, payload["lease_deadline_ms"] = await self._attach(lease_id, [pool_id])
+            return await call(payload)
 
     # ------------------------------------------------------------ sequences
 
@@ -407,12 +426,14 @@ class Allocator:
         deadline there)."""
         epoch, geo = await self.geometry(pool_id)
         creates = []
+        items["hashes"] = []     # (each create's block hashes, for its reply)
         for _, c, data in items["creates"]:
             root = hashing.root_hash(self._salt(tenant), c.extra_key)
             n = len(data) // 4
             hs = hashing.chain_hashes(root, data, geo.block_size, n // geo.block_size)
             creates.append({"epoch": epoch, "num_tokens": n, "root_hash": root.hex(),
                             "block_hashes": [h.hex() for h in hs]})
+            items["hashes"].append(hs)
         return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
                 "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": lease_deadline,
                 "max_blocks": self.settings.max_blocks_per_call,
@@ -468,8 +489,10 @@ class Allocator:
             updates[i] = SeqDelta(sid, d["num_tokens"], d.get("new_blocks", []), tuple(cow) if cow else None,
                                   d["num_committed_blocks"], bytes.fromhex(d["last_hash"]),
                                   [_state(pool_id, epoch, k, lease_id, bs) for k in d["children"]], d["freed"])
-        for (i, _, _), rec in zip(items["creates"], reply["created"]):
-            outcome.created[i] = _state(pool_id, epoch, rec, lease_id, bs)
+        for j, ((i, _, _), rec) in enumerate(zip(items["creates"], reply["created"])):
+            state = _state(pool_id, epoch, rec, lease_id, bs)
+            state.block_hashes = tuple(items["hashes"][j][:state.num_committed_blocks])
+            outcome.created[i] = state
         outcome.copies.extend((pool_id, src, dst) for src, dst in reply["copies"])
 
     def _salt(self, tenant: str) -> str:

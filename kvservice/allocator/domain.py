@@ -60,6 +60,8 @@ class SeqState:
     last_hash: bytes
     cow: tuple[int, int] | None = None
     block_size: int = 0
+    #: Only for a sequence just created: the hash of each committed block.
+    block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)
@@ -104,6 +106,19 @@ class JournalColumns:
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceClaim:
+    """A sequence as a client holds it, in a resync (``SequenceClaim`` in the proto)."""
+
+    sequence: int
+    num_tokens: int
+    block_table: tuple[int, ...]
+    num_committed_blocks: int
+    last_hash: bytes
+    block_hashes: bytes
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ReserveRequest:
     """What a Sync asks of one pool's reserve (see PoolSync in the proto)."""
 
@@ -116,6 +131,8 @@ class ReserveRequest:
     entries: "JournalColumns | None" = None
     want_sequence_numbers: int = 0
     need_blocks: int = 0
+    #: Instead of entries: the lease's whole state in the pool (``PoolResync``).
+    resync: "tuple[SequenceClaim, ...] | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +147,10 @@ class ReserveGrant:
     applied_entries: int = 0
     first_sequence_number: int = 0
     num_sequence_numbers: int = 0
+    #: After a resync: the sequences the pool could not keep, and the lease's reserve.
+    lost_sequences: tuple[int, ...] = ()
+    reserve_blocks: tuple[int, ...] = ()
+    resynced: bool = False
 
 
 @dataclass(frozen=True, slots=True)

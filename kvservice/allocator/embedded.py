@@ -74,12 +74,16 @@ class EmbeddedRedis:
         flavor: one of FLAVORS, or None for the first available.
         port: a TCP port to listen on too (0 picks a free one); None for the socket only.
         aof: turn on the append-only file (as production must).
+        fsync: the AOF's ``appendfsync`` policy (``everysec``, Redis's default, or
+            ``always``).
     """
 
-    def __init__(self, flavor: str | None = None, *, port: int | None = None, aof: bool = False) -> None:
+    def __init__(self, flavor: str | None = None, *, port: int | None = None, aof: bool = False,
+                 fsync: str = "everysec") -> None:
         self.binary = find_server(flavor)
         self.port = free_port() if port == 0 else port
         self.aof = aof
+        self.fsync = fsync
         self._dir: tempfile.TemporaryDirectory | None = None
         self.proc: subprocess.Popen | None = None
 
@@ -103,11 +107,20 @@ class EmbeddedRedis:
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, check=True).stdout
         return out.split()[2].removeprefix("v=") if len(out.split()) > 2 else out.strip()
 
+    @property
+    def data_dir(self) -> str:
+        assert self._dir is not None
+        return self._dir.name
+
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
-        self._dir = tempfile.TemporaryDirectory(prefix="kvs-redis-")
+        """Starts the server (again, after ``kill()``: from the same directory, so from its
+        AOF, on the same socket and port)."""
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="kvs-redis-")
         args = [self.binary, "--port", str(self.port or 0), "--bind", "127.0.0.1",
                 "--unixsocket", self.socket_path, "--unixsocketperm", "700",
                 "--dir", self._dir.name, "--save", "", "--appendonly", "yes" if self.aof else "no",
+                "--appendfsync", self.fsync,
                 "--maxmemory-policy", "noeviction", "--daemonize", "no", "--loglevel", "warning",
                 "--logfile", os.path.join(self._dir.name, "redis.log")]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -131,6 +144,17 @@ class EmbeddedRedis:
             return Path(self._dir.name, "redis.log").read_text()[-2000:]
         except OSError:
             return ""
+
+    def kill(self) -> None:
+        """SIGKILLs the server and keeps its directory (``start()`` brings it back)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            if self.proc.stderr:
+                self.proc.stderr.close()
+            self.proc = None
+        if self._dir is not None and os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
 
     def stop(self) -> None:
         if self.proc is not None:

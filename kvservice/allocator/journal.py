@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvservice import errors
-from kvservice.allocator.domain import JournalColumns
+from kvservice.allocator.domain import JournalColumns, ReserveRequest
 from kvservice.common import hashing
 from kvservice.common.geometry import Geometry
 
@@ -115,3 +115,47 @@ def journal_payload(j: JournalColumns | None, first_entry: int, pool_id: str, ge
     return {"n": n, "kinds": kinds, "sequences": seqs, "num_tokens": toks, "children": children,
             "num_blocks": nblocks, "blocks": j.blocks, "num_commits": ncommits, "commits": commits,
             "parents": parents}
+
+
+def resync_payload(r: ReserveRequest, geo: Geometry) -> list[dict[str, Any]]:
+    """The resync script's ``claims`` (``scripts/resync.lua``) from a ``PoolResync``, each
+    claim checked for shape (its blocks in the pool, a table that covers exactly its
+    tokens, whole hashes); InvalidArgument names the first one that is not."""
+    pool_id = r.pool_id
+    if r.entries is not None and len(r.entries):
+        raise errors.InvalidArgument(f"pool {pool_id}: a resync carries no journal entries")
+    if r.returned_blocks or r.need_blocks:
+        raise errors.InvalidArgument(f"pool {pool_id}: a resync returns no blocks and needs none")
+    if not 1 <= r.first_entry <= MAX_INT:
+        raise errors.InvalidArgument(f"pool {pool_id}: first_entry {r.first_entry} is out of range "
+                                     "(entries are numbered from 1)")
+    bs, hb = geo.block_size, hashing.HASH_BYTES
+    claims, seen = [], set()
+    for c in r.resync or ():
+        what = f"pool {pool_id}: resync of sequence {c.sequence}"
+        if not 1 <= c.sequence <= MAX_SEQUENCE:
+            raise errors.InvalidArgument(f"pool {pool_id}: resync: sequence {c.sequence} is out of range")
+        if c.sequence in seen:
+            raise errors.InvalidArgument(f"{what}: the sequence is claimed twice")
+        seen.add(c.sequence)
+        if not 1 <= c.num_tokens <= MAX_INT:
+            raise errors.InvalidArgument(f"{what}: num_tokens {c.num_tokens} is out of range")
+        if len(c.block_table) != -(-c.num_tokens // bs):
+            raise errors.InvalidArgument(f"{what}: {len(c.block_table)} blocks for {c.num_tokens} tokens "
+                                         f"(blocks of {bs})")
+        if min(c.block_table) < 0 or max(c.block_table) >= geo.num_blocks:
+            bad = next(b for b in c.block_table if not 0 <= b < geo.num_blocks)
+            raise errors.InvalidArgument(f"{what}: block {bad} is outside 0..{geo.num_blocks - 1}")
+        if not 0 <= c.num_committed_blocks <= c.num_tokens // bs:
+            raise errors.InvalidArgument(f"{what}: {c.num_committed_blocks} committed blocks, at most "
+                                         f"{c.num_tokens // bs} are full")
+        if len(c.block_hashes) != c.num_committed_blocks * hb or len(c.last_hash) != hb:
+            raise errors.InvalidArgument(f"{what}: block_hashes must hold {hb} bytes per committed block "
+                                         f"and last_hash {hb} bytes")
+        if not 0 <= c.num_cached_tokens <= c.num_tokens:
+            raise errors.InvalidArgument(f"{what}: num_cached_tokens {c.num_cached_tokens} is out of range")
+        hs = c.block_hashes
+        claims.append({"n": c.sequence, "t": c.num_tokens, "tab": list(c.block_table), "c": c.num_committed_blocks,
+                       "h": c.last_hash.hex(), "hs": [hs[i:i + hb].hex() for i in range(0, len(hs), hb)],
+                       "k": c.num_cached_tokens})
+    return claims

@@ -6,8 +6,8 @@ from typing import Any
 
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.core import Allocator
-from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant, ReserveRequest, SeqDelta, SeqState,
-                                        StepOutcome, Update)
+from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant,
+                                        ReserveRequest, SeqDelta, SeqState, SequenceClaim, StepOutcome, Update)
 from kvservice.common.geometry import Geometry
 from kvservice.errors import InvalidArgument
 from kvservice.v1 import allocator_pb2 as pb
@@ -40,14 +40,15 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
     return pb.PoolReserve(pool_id=g.pool_id, epoch=g.epoch, granted_blocks=g.granted_blocks,
                           num_reserved_blocks=g.num_reserved_blocks, reserve_cap=g.reserve_cap,
                           applied_entries=g.applied_entries, first_sequence_number=g.first_sequence_number,
-                          num_sequence_numbers=g.num_sequence_numbers)
+                          num_sequence_numbers=g.num_sequence_numbers, lost_sequences=g.lost_sequences,
+                          reserve_blocks=g.reserve_blocks, resynced=g.resynced)
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
     out = pb.Sequence(sequence_id=s.sequence_id, pool_id=s.pool_id, epoch=s.epoch, lease_id=s.lease_id,
                       block_table=s.block_table, num_tokens=s.num_tokens,
                       num_cached_tokens=s.num_cached_tokens, num_committed_blocks=s.num_committed_blocks,
-                      last_hash=s.last_hash, block_size=s.block_size)
+                      last_hash=s.last_hash, block_size=s.block_size, block_hashes=s.block_hashes)
     if s.cow is not None:
         out.cow.CopyFrom(pb.CopyPair(pool_id=s.pool_id, src=s.cow[0], dst=s.cow[1]))
     return out
@@ -147,7 +148,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def Sync(self, request: pb.SyncRequest, context: Any) -> pb.SyncResponse:
         pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks), p.first_entry,
-                                journal_from_pb(p.journal), p.want_sequence_numbers, p.need_blocks)
+                                journal_from_pb(p.journal), p.want_sequence_numbers, p.need_blocks,
+                                resync_from_pb(p.resync) if p.HasField("resync") else None)
                  for p in request.pools]
         lease, grants = await self.a.sync(request.lease_id, pools, request.request_id)
         return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])
@@ -167,3 +169,8 @@ def journal_from_pb(j: pb.JournalEntries) -> JournalColumns:
     return JournalColumns(list(j.kinds), list(j.sequences), list(j.num_tokens), list(j.children),
                           list(j.num_blocks), list(j.blocks), list(j.num_commits), list(j.commit_tokens),
                           j.parent_hashes)
+
+
+def resync_from_pb(r: pb.PoolResync) -> tuple[SequenceClaim, ...]:
+    return tuple(SequenceClaim(c.sequence, c.num_tokens, tuple(c.block_table), c.num_committed_blocks, c.last_hash,
+                               c.block_hashes, c.num_cached_tokens) for c in r.sequences)

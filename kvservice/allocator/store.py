@@ -141,6 +141,11 @@ class Store:
         return await self._call("sync", self._pool_args(payload["pool"], payload["request_id"]), payload,
                                 internal=(LEASE_UNKNOWN,))
 
+    async def resync(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A lease's whole state in one pool, after the pool lost writes (``resync.lua``)."""
+        return await self._call("resync", self._pool_args(payload["pool"], payload["request_id"]), payload,
+                                internal=(LEASE_UNKNOWN,))
+
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,
                    max_seqs: int = 512, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
         return await self._call("reap", keys.pool_keys(pool_id),

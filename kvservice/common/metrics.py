@@ -108,6 +108,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Journal entries received again after they were applied (resends after a lost reply; skipped)."),
     _m("pool_journal_gaps_total", "counter", POOL, "exporter",
        "Journal batches not applied because they started after a gap (the client resends)."),
+    _m("pool_journal_resyncs_total", "counter", POOL, "exporter",
+       "Resyncs: a client's whole state, sent after the pool lost journal entries it had acknowledged."),
+    _m("pool_sequences_lost_total", "counter", POOL, "exporter",
+       "Sequences a resync could not keep (their blocks may be another lease's): the engine recomputes them."),
     # --- workers
     _m("worker_pool_bytes", "gauge", POOL, "worker", "Bytes of device memory held by the worker's K/V pool."),
     _m("worker_pool_blocks", "gauge", POOL, "worker", "Blocks in the worker's K/V pool."),
@@ -132,6 +136,8 @@ POOL_COUNTERS = {
     "journal_batches": "pool_journal_batches_total",
     "journal_resent_entries": "pool_journal_resent_entries_total",
     "journal_gaps": "pool_journal_gaps_total",
+    "journal_resyncs": "pool_journal_resyncs_total",
+    "sequences_lost": "pool_sequences_lost_total",
 }
 POOL_GAUGES = {
     "num_blocks": "pool_capacity_blocks",

@@ -37,7 +37,6 @@
 ---   or an error (lib/codec): NOT_FOUND, INVALID_ARGUMENT (an entry or a returned block
 ---   that does not fit the state: nothing applied), FAILED_PRECONDITION (reasons
 ---   EPOCH_CHANGED, LEASE_EXPIRED), and the internal LEASE_UNKNOWN.
---- @include "lib/time"
 --- @include "lib/request"
 --- @include "lib/refs"
 --- @include "lib/reserve"
@@ -47,18 +46,6 @@ local p = args()
 local prev = replay(K_REQUEST, p)
 if prev then return prev end
 local lease = p.lease_id
-
--- Checks the epoch and the lease; returns the pool's geometry and whether the lease must
--- be attached to the pool.
-local function check_pool_and_lease()
-  local epoch, num_blocks, bs = pool_meta(p.pool)
-  if p.epoch ~= epoch then
-    bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' is at epoch ' .. epoch .. ', not ' ..
-      string.format('%d', p.epoch) .. ' (re-registered since)', {reason = 'EPOCH_CHANGED', epoch = epoch})
-  end
-  local attach = lease_in_pool(p.pool, lease, p.lease_deadline_ms, now_ms(), true)
-  return epoch, num_blocks, bs, attach
-end
 
 -- ------------------------------------------------------------------ journal
 
@@ -319,7 +306,7 @@ end
 -- ------------------------------------------------------------------ plan, then write
 
 local ok, plan = guarded(function()
-  local epoch, num_blocks, bs, attach = check_pool_and_lease()
+  local epoch, num_blocks, bs, attach = check_sync_target(p)
   local applied, reserved = lease_progress(lease)
   local first = p.first_entry
   local J = p.journal

@@ -1,5 +1,6 @@
 --- @include "lib/pool"
 --- @include "lib/chunked"
+--- @include "lib/time"
 --- Lease reserves: blocks a lease holds in no table. K_RESERVE: hash block id -> lease;
 --- K_JOURNAL: hash lease -> "<applied> <reserved>", the number of the lease's last journal
 --- entry applied and the size of its reserve. A Sync reads and writes only the fields of
@@ -30,4 +31,17 @@ local function reclaim_reserve(lease)
   call_chunked('HDEL', K_RESERVE, fields)
   call_chunked('RPUSH', K_FREE, fields)
   return #fields
+end
+
+-- Checks a Sync's pool part (p: pool, epoch, lease_id, lease_deadline_ms): the epoch and
+-- the lease. Returns the pool's epoch, num_blocks, block_size and whether the lease must
+-- be attached to the pool.
+local function check_sync_target(p)
+  local epoch, num_blocks, bs = pool_meta(p.pool)
+  if p.epoch ~= epoch then
+    bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' is at epoch ' .. epoch .. ', not ' ..
+      string.format('%d', p.epoch) .. ' (re-registered since)', {reason = 'EPOCH_CHANGED', epoch = epoch})
+  end
+  local attach = lease_in_pool(p.pool, p.lease_id, p.lease_deadline_ms, now_ms(), true)
+  return epoch, num_blocks, bs, attach
 end
