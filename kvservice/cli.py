@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote", action="store_true",
                    help="measure the SDK without local ownership (every change through a Step RPC) instead of "
                         "the default journaled SDK")
+    p.add_argument("--forward-ms", type=float, default=0.0,
+                   help="after each timed decode step, wait this long (untimed, the GIL released), as an engine "
+                        "waits for its forward pass; default 0: steps back to back, the targets' trace")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 

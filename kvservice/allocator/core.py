@@ -219,16 +219,19 @@ class Allocator:
             else:
                 entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
                                                      self.settings.max_blocks_per_call)
-        lease = await self.keep_alive(lease_id)
+        # The keep-alive first; each pool's script raises the lease's deadline there itself.
+        kept = await self.store.keep_alive(lease_id, self._tombstone_ms(),
+                                           touched_by_caller=[r.pool_id for r in pools])
+        lease = _lease_info(kept)
         if not pools:
             return lease, []
         _, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
-        grants = await asyncio.gather(*(self._sync_pool(lease_id, r, entries[r.pool_id], deadline, request_id)
-                                        for r in pools))
+        grants = await asyncio.gather(*(self._sync_pool(lease_id, r, entries[r.pool_id], deadline, request_id,
+                                                        lease.deadline_ms) for r in pools))
         return lease, list(grants)
 
     async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: Any, deadline: int,
-                         request_id: str) -> ReserveGrant:
+                         request_id: str, touch_ms: int) -> ReserveGrant:
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
         cap = max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks))
@@ -237,7 +240,7 @@ class Allocator:
                        "fingerprint": fingerprint("resync", [lease_id, r.pool_id, r.epoch, r.first_entry, entries])
                        if request_id else "",
                        "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
-                       "first_entry": r.first_entry, "cap": cap, "claims": entries}
+                       "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "cap": cap, "claims": entries}
             reply = await self._attached(lease_id, r.pool_id, payload, self.store.resync)
             return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
                                 lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
@@ -250,7 +253,7 @@ class Allocator:
         payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
                    "fingerprint": fingerprint("sync", request) if request_id else "",
                    "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
-                   "first_entry": r.first_entry, "journal": entries,
+                   "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "journal": entries,
                    "want": r.want_blocks, "cap": cap,
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
                    "pressure_cap": s.reserve_min_blocks, "returned": returned,

@@ -10,7 +10,7 @@ file and line (``lua.LuaScript.explain``). Reads that must be consistent are one
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -164,8 +164,11 @@ class Store:
     async def grant_lease(self, payload: dict[str, Any]) -> dict[str, Any]:
         return await self._call("lease_grant", keys.lease_keys(payload["lease_id"]), payload)
 
-    async def keep_alive(self, lease_id: str, tombstone_ms: int) -> dict[str, Any]:
-        """Extends the lease, then its deadline in every pool where it holds sequences.
+    async def keep_alive(self, lease_id: str, tombstone_ms: int, *,
+                         touched_by_caller: Iterable[str] = ()) -> dict[str, Any]:
+        """Extends the lease, then its deadline in every pool where it holds sequences
+        (but ``touched_by_caller``: the caller's own script calls raise it there, as a
+        Sync's do).
 
         Raises:
             the first error of a pool's touch: a lease that is extended but not touched
@@ -173,7 +176,8 @@ class Store:
         """
         reply = await self._call("lease_keepalive", keys.lease_keys(lease_id),
                                  {"lease_id": lease_id, "tombstone_ms": tombstone_ms})
-        pools = reply["pools"]
+        skip = set(touched_by_caller)
+        pools = [pool_id for pool_id in reply["pools"] if pool_id not in skip]
         if pools:
             touched = await self._pipelined("lease_touch", [
                 ([keys.pool_key(pool_id, "leases")], {"lease_id": lease_id, "deadline_ms": reply["deadline_ms"]})

@@ -144,7 +144,8 @@ def measure_script_call(client: Any, pool: str, epoch: int, repeat: int) -> dict
 
 
 def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_size: int,
-                   rng: random.Random, cpu: CpuMeter, num_blocks: int) -> tuple[list[Any], dict[str, Any]]:
+                   rng: random.Random, cpu: CpuMeter, num_blocks: int,
+                   forward_s: float = 0.0) -> tuple[list[Any], dict[str, Any]]:
     """The decode workload; returns its (still live) sequences and the figures."""
     # Prompt lengths 128 + i: every offset inside a block is held by sequences/block_size
     # sequences, so boundary crossings are spread evenly over the steps.
@@ -168,6 +169,7 @@ def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_siz
     lags0 = len(client.journal_lags())
     times, reserved = [], []
     rpcs0 = client.rpc_count
+    blocks0 = sum(len(s.block_table) for s in seqs)
     cpu0 = cpu.snap()
     clock = time.perf_counter
     report_every = max(1, steps // 4)
@@ -175,13 +177,16 @@ def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_siz
         t0 = clock()
         client.step(b)
         times.append(clock() - t0)
+        if forward_s:
+            time.sleep(forward_s)
         if client.local:
             reserved.append(client.reserved_blocks() / num_blocks)
         if (step + 1) % report_every == 0 and step + 1 < steps:
             _progress(f"decode: {step + 1}/{steps} steps")
     rpcs = client.rpc_count - rpcs0
-    cpu_per_step = cpu.per_op_us(cpu0, steps)
     client.flush()
+    cpu_per_step = cpu.per_op_us(cpu0, steps)     # (the journal's last entries applied)
+    grown = sum(len(s.block_table) for s in seqs) - blocks0
     lags = client.journal_lags()[lags0:]
     total = sum(times)
     out = {"step_p50_us": _us(percentile(times, 50)), "step_p99_us": _us(percentile(times, 99)),
@@ -193,6 +198,12 @@ def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_siz
             "prompt_tokens_min": lengths[0], "prompt_tokens_max": lengths[-1]}
     if "client" in cpu_per_step:
         out["client_cpu_us_per_token"] = cpu_per_step["client"] / sequences
+    if grown and "allocator" in cpu_per_step and "redis" in cpu_per_step:
+        # What the allocator spends per block a sequence grows by: its capacity in blocks
+        # per second of CPU, against what the trace asks.
+        server_us = (cpu_per_step["allocator"] + cpu_per_step["redis"]) * steps / grown
+        out["server_cpu_us_per_block"] = server_us
+        out["blocks_per_s_asked"] = grown / sum(times) if sum(times) else 0.0
     if client.local:
         out["journal_lag_p50_ms"] = percentile(lags, 50) * 1e3
         out["journal_lag_p99_ms"] = percentile(lags, 99) * 1e3
@@ -338,6 +349,8 @@ def table(fig: dict[str, Any], targets: dict[str, dict[str, Any]]) -> str:
         row("journal lag, local change -> applied (p50)", "journal_lag_p50_ms", unit="ms", ratio=False)
         row("journal lag, local change -> applied (p99)", "journal_lag_p99_ms", unit="ms", ratio=False)
         row("reserved but unused blocks / pool (p99)", "reserved_unused_p99_share", unit="", ratio=False)
+    if "server_cpu_us_per_block" in fig:
+        row("allocator + Redis CPU per block grown", "server_cpu_us_per_block", ratio=False)
     row("in-process block manager: step (p50)", "inproc_step_p50_us")
     row("in-process block manager: step (p99)", "inproc_step_p99_us")
     row("in-process block manager: time per token", "inproc_us_per_token", ratio=False)
@@ -375,7 +388,8 @@ def run(target: str, redis_url: str, args: argparse.Namespace, cpu: CpuMeter) ->
         _progress(f"in-process reference: the same {args.sequences} x {args.steps} decode trace")
         fig.update(measure_inproc(args.sequences, args.steps, bs, seed=20240608))
         _progress(f"decode: {args.sequences} sequences x {args.steps} steps, block size {bs}")
-        live, decode = measure_decode(client, pool, args.sequences, args.steps, bs, rng, cpu, num_blocks)
+        live, decode = measure_decode(client, pool, args.sequences, args.steps, bs, rng, cpu, num_blocks,
+                                      getattr(args, "forward_ms", 0.0) / 1e3)
         fig.update(decode)
         # The lifecycle figures are taken in a busy pool, the decode sequences still live,
         # as in an engine that admits requests while it decodes (see docs/benchmark.md).
@@ -411,6 +425,9 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"kvservice bench: --{name} must be >= 1", file=sys.stderr)
             return 2
+    if getattr(args, "forward_ms", 0.0) < 0:
+        print("kvservice bench: --forward-ms must be >= 0", file=sys.stderr)
+        return 2
     if args.target and not args.redis_url:
         print("kvservice bench: --target needs --redis-url (the allocator's Redis, for the PING floor)",
               file=sys.stderr)
@@ -444,6 +461,7 @@ def main(args: argparse.Namespace) -> int:
     fig["targets"] = targets
     fig["targets_met"] = all(t["met"] for t in targets.values())
     fig["config"] = {"sequences": args.sequences, "steps": args.steps, "block_size": args.block_size,
+                     "forward_ms": getattr(args, "forward_ms", 0.0),
                      "repeat": args.repeat, "mode": mode, "cpus": os.cpu_count(),
                      "python": platform.python_version()}
     if args.json:

@@ -21,7 +21,8 @@
 ---
 --- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py); KEYS[16]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
----   lease_id, lease_deadline_ms (0: attached to the pool already), first_entry, cap,
+---   lease_id, lease_deadline_ms (0: attached to the pool already), touch_deadline_ms (the
+---   lease's deadline after the Sync's keep-alive, raised here as lease_touch does; 0: none), first_entry, cap,
 ---   claims = [{n, t (num_tokens), tab = [block ids], c (committed blocks), h (the last
 ---   hash, hex), hs = [the hash hex of each committed block], k (cached tokens)}]}
 --- Returns msgpack {epoch, applied (first_entry - 1), lost = [sequence numbers],
@@ -34,6 +35,10 @@
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
+-- The keep-alive's side in this pool first, whatever becomes of the rest (lease_touch).
+if p.touch_deadline_ms > 0 and redis.call('ZSCORE', K_LEASES, p.lease_id) then
+  redis.call('ZADD', K_LEASES, 'GT', p.touch_deadline_ms, p.lease_id)
+end
 local prev = replay(K_REQUEST, p)
 if prev then return prev end
 local lease = p.lease_id
