@@ -487,8 +487,9 @@ class Client:
             for s, tokens in appends.items():
                 if tokens:
                     self._append_local(s, tokens, result)
-            if any(j.low() for j in self._journals.values()):
-                self._wake.set()
+        # Send now: the step is done, and an engine is about to wait for its forward pass
+        # (a Sync sent then does not compete with the next step for the interpreter).
+        self._wake.set()
 
     def _journal(self, s: "Sequence") -> PoolJournal:
         pj = self._journals.get(s.pool)
@@ -721,8 +722,9 @@ class Client:
         return out
 
     def _flusher(self) -> None:
-        """Sends the journal every ``flush_interval`` while there is something to send,
-        and a Sync at least every TTL / 3 (the keep-alive)."""
+        """Sends the journal after each step that logged entries, and every
+        ``flush_interval`` while there is something to send (a refill, a return), and a
+        Sync at least every TTL / 3 (the keep-alive)."""
         keepalive_every = max(self.lease.ttl_seconds / 3, 0.05)
         last = time.monotonic()
         while not self._stop.is_set():

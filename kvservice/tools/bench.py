@@ -211,9 +211,11 @@ def measure_decode(client: Any, pool: str, sequences: int, steps: int, block_siz
     return seqs, out
 
 
-def measure_inproc(sequences: int, steps: int, block_size: int, seed: int) -> dict[str, float]:
+def measure_inproc(sequences: int, steps: int, block_size: int, seed: int,
+                   forward_s: float = 0.0) -> dict[str, float]:
     """The same decode trace through an in-process block manager (``tools/inproc.py``),
-    in this process: the reference for the allocator's figures."""
+    in this process, with the same wait after each step: the reference for the
+    allocator's figures."""
     from kvservice.tools.inproc import LocalBlockManager
 
     rng = random.Random(seed)
@@ -234,6 +236,8 @@ def measure_inproc(sequences: int, steps: int, block_size: int, seed: int) -> di
         t0 = clock()
         manager.step(b)
         times.append(clock() - t0)
+        if forward_s:
+            time.sleep(forward_s)
     for s in seqs:
         manager.free(s)
     return {"inproc_step_p50_us": _us(percentile(times, 50)), "inproc_step_p99_us": _us(percentile(times, 99)),
@@ -386,7 +390,8 @@ def run(target: str, redis_url: str, args: argparse.Namespace, cpu: CpuMeter) ->
         fig.update(measure_floor(client.channel, redis_url, args.repeat))
         fig.update(measure_script_call(client, pool, epoch, args.repeat))
         _progress(f"in-process reference: the same {args.sequences} x {args.steps} decode trace")
-        fig.update(measure_inproc(args.sequences, args.steps, bs, seed=20240608))
+        fig.update(measure_inproc(args.sequences, args.steps, bs, seed=20240608,
+                                  forward_s=getattr(args, "forward_ms", 0.0) / 1e3))
         _progress(f"decode: {args.sequences} sequences x {args.steps} steps, block size {bs}")
         live, decode = measure_decode(client, pool, args.sequences, args.steps, bs, rng, cpu, num_blocks,
                                       getattr(args, "forward_ms", 0.0) / 1e3)

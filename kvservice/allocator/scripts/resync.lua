@@ -132,34 +132,21 @@ end
 local touched = {}
 for b in pairs(plan.old_refs) do touched[b] = true end
 for b in pairs(new_refs) do touched[b] = true end
-local set_ref, del_ref, unreserve, revive, to_free, to_evict = {}, {}, {}, {}, {}, {}
-local clock = nil
+local w = changes()
 for b in pairs(touched) do
   local s = D[b] or dec(b)
   local before = plan.cnt[b]
   local after = before - (plan.old_refs[b] or 0) + (new_refs[b] or 0)
   if after > 0 then
-    if after ~= before then set_ref[#set_ref + 1] = s; set_ref[#set_ref + 1] = D[after] or dec(after) end
-    if plan.reserved[b] then unreserve[#unreserve + 1] = s; plan.reserved[b] = nil end
-    if before == 0 and plan.hash_of[b] then revive[#revive + 1] = s end
+    if after ~= before then w.set_ref[#w.set_ref + 1] = s; w.set_ref[#w.set_ref + 1] = D[after] or dec(after) end
+    if plan.reserved[b] then w.unreserve[#w.unreserve + 1] = s; plan.reserved[b] = nil end
+    if before == 0 and plan.hash_of[b] then w.revive[#w.revive + 1] = s end
   elseif before > 0 then
-    del_ref[#del_ref + 1] = s
-    if plan.hash_of[b] then
-      if clock == nil then clock = tonumber(redis.call('HGET', K_STATE, 'clock')) or 0 end
-      clock = clock + 1
-      to_evict[#to_evict + 1] = clock; to_evict[#to_evict + 1] = s
-    else
-      to_free[#to_free + 1] = s
-    end
+    w.del_ref[#w.del_ref + 1] = s
+    park(w, s, plan.hash_of[b])
   end
 end
-if clock ~= nil then redis.call('HSET', K_STATE, 'clock', clock) end
-if #set_ref > 0 then call_chunked('HSET', K_REF, set_ref, 2) end
-if #del_ref > 0 then call_chunked('HDEL', K_REF, del_ref) end
-if #unreserve > 0 then call_chunked('HDEL', K_RESERVE, unreserve) end
-if #revive > 0 then call_chunked('ZREM', K_EVICT, revive) end
-if #to_evict > 0 then call_chunked('ZADD', K_EVICT, to_evict, 2) end
-if #to_free > 0 then call_chunked('RPUSH', K_FREE, to_free) end
+write_changes(w)
 
 -- The commits the pool lost: registered again where the hash is free.
 local reg_b, reg_h = {}, {}
@@ -182,10 +169,7 @@ if #reg_h > 0 then
       b2h[#b2h + 1] = s; b2h[#b2h + 1] = x[1]
     end
   end
-  if #h2b > 0 then
-    call_chunked('HSET', K_H2B, h2b, 2)
-    call_chunked('HSET', K_B2H, b2h, 2)
-  end
+  write_hashes(h2b, b2h)
 end
 
 -- The records: the kept claims as the client holds them; the lease's others dropped.

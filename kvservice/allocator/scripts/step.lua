@@ -333,10 +333,7 @@ local function register(marked, resolve)
       if marked then marked[b] = true end
     end
   end
-  if #h2b > 0 then
-    call_chunked('HSET', K_H2B, h2b, 2)
-    call_chunked('HSET', K_B2H, b2h, 2)
-  end
+  write_hashes(h2b, b2h)
 end
 
 stats.cow_copies = #copies

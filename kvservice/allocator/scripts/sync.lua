@@ -255,41 +255,25 @@ local function write_journal()
     b2h[#b2h + 1] = s; b2h[#b2h + 1] = reg_hs[k]
   end
   local hashed = zero_hashed(nil)
-  if #h2b > 0 then
-    call_chunked('HSET', K_H2B, h2b, 2)
-    call_chunked('HSET', K_B2H, b2h, 2)
-    for _, b in ipairs(reg_bs) do hashed[b] = true end
-  end
-  local set_ref, del_ref, unreserve, reserve_add, to_free, to_evict = {}, {}, {}, {}, {}, {}
-  local clock = nil
+  write_hashes(h2b, b2h)
+  for _, b in ipairs(reg_bs) do hashed[b] = true end
+  local w = changes()
   for b, r in pairs(refs) do
     local s = D[b] or dec(b)
     if r > 0 then
-      if r ~= orig[b] then set_ref[#set_ref + 1] = s; set_ref[#set_ref + 1] = D[r] or dec(r) end
-      if init[b] == 'r' then unreserve[#unreserve + 1] = s end
+      if r ~= orig[b] then w.set_ref[#w.set_ref + 1] = s; w.set_ref[#w.set_ref + 1] = D[r] or dec(r) end
+      if init[b] == 'r' then w.unreserve[#w.unreserve + 1] = s end
     elseif init[b] == 'u' or init[b] == 'r' then
-      if init[b] == 'u' then del_ref[#del_ref + 1] = s end
+      if init[b] == 'u' then w.del_ref[#w.del_ref + 1] = s end
       if to_reserve[b] then
-        if init[b] == 'u' then reserve_add[#reserve_add + 1] = s; reserve_add[#reserve_add + 1] = lease end
+        if init[b] == 'u' then w.reserve_add[#w.reserve_add + 1] = s; w.reserve_add[#w.reserve_add + 1] = lease end
       else
-        if init[b] == 'r' then unreserve[#unreserve + 1] = s end
-        if hashed[b] then
-          if clock == nil then clock = tonumber(redis.call('HGET', K_STATE, 'clock')) or 0 end
-          clock = clock + 1
-          to_evict[#to_evict + 1] = clock; to_evict[#to_evict + 1] = s
-        else
-          to_free[#to_free + 1] = s
-        end
+        if init[b] == 'r' then w.unreserve[#w.unreserve + 1] = s end
+        park(w, s, hashed[b])
       end
     end
   end
-  if clock ~= nil then redis.call('HSET', K_STATE, 'clock', clock) end
-  if #set_ref > 0 then call_chunked('HSET', K_REF, set_ref, 2) end
-  if #del_ref > 0 then call_chunked('HDEL', K_REF, del_ref) end
-  if #unreserve > 0 then call_chunked('HDEL', K_RESERVE, unreserve) end
-  if #reserve_add > 0 then call_chunked('HSET', K_RESERVE, reserve_add, 2) end
-  if #to_evict > 0 then call_chunked('ZADD', K_EVICT, to_evict, 2) end
-  if #to_free > 0 then call_chunked('RPUSH', K_FREE, to_free) end
+  write_changes(w)
   local put_meta, put_tab, lseq_add, del, lseq_del = {}, {}, {}, {}, {}
   for f, rec in pairs(recs) do
     if rec then

@@ -86,6 +86,45 @@ local function zero_hashed(by_block)
   return hashed
 end
 
+-- What a script's plan does to blocks, as lists of decimal ids (and values) to write in
+-- one call each by write_changes(): counts to set or drop, reserve fields to drop or set
+-- (block, lease), evictable blocks revived, and blocks that reached 0 (park()).
+local function changes()
+  return {set_ref = {}, del_ref = {}, unreserve = {}, reserve_add = {}, revive = {}, to_evict = {}, to_free = {},
+          clock = nil}
+end
+
+-- A block (decimal id s) whose count reached 0: to the evictable set (LRU clock) if it
+-- has a hash, else to the free list.
+local function park(w, s, hashed)
+  if hashed then
+    if w.clock == nil then w.clock = tonumber(redis.call('HGET', K_STATE, 'clock')) or 0 end
+    w.clock = w.clock + 1
+    w.to_evict[#w.to_evict + 1] = w.clock; w.to_evict[#w.to_evict + 1] = s
+  else
+    w.to_free[#w.to_free + 1] = s
+  end
+end
+
+local function write_changes(w)
+  if w.clock ~= nil then redis.call('HSET', K_STATE, 'clock', w.clock) end
+  if #w.revive > 0 then call_chunked('ZREM', K_EVICT, w.revive) end
+  if #w.set_ref > 0 then call_chunked('HSET', K_REF, w.set_ref, 2) end
+  if #w.del_ref > 0 then call_chunked('HDEL', K_REF, w.del_ref) end
+  if #w.unreserve > 0 then call_chunked('HDEL', K_RESERVE, w.unreserve) end
+  if #w.reserve_add > 0 then call_chunked('HSET', K_RESERVE, w.reserve_add, 2) end
+  if #w.to_evict > 0 then call_chunked('ZADD', K_EVICT, w.to_evict, 2) end
+  if #w.to_free > 0 then call_chunked('RPUSH', K_FREE, w.to_free) end
+end
+
+-- Registers hashes: h2b and b2h as lists of (hash, block id) and (block id, hash) pairs.
+local function write_hashes(h2b, b2h)
+  if #h2b > 0 then
+    call_chunked('HSET', K_H2B, h2b, 2)
+    call_chunked('HSET', K_B2H, b2h, 2)
+  end
+end
+
 -- Evicts n blocks (least recently used first) for the plan's placeholders; returns them.
 -- A victim's hash is dropped, unless dups[hash] names a block of this call that holds
 -- the same content and stays referenced: then that block takes the hash (a hash never
@@ -165,23 +204,11 @@ local function apply(num_blocks, hashed, stats, dups)
       end
     end
   end
-  if #revive > 0 then call_chunked('ZREM', K_EVICT, revive) end
-  if #del_ref > 0 then call_chunked('HDEL', K_REF, del_ref) end
-  local to_free, to_evict = {}, {}
-  local clock = nil
+  local w = changes()
+  w.revive, w.del_ref = revive, del_ref
   local zero_blocks, zero_fields = zeroed()
-  for i, b in ipairs(zero_blocks) do
-    if hashed[b] then
-      if clock == nil then clock = tonumber(redis.call('HGET', K_STATE, 'clock')) or 0 end
-      clock = clock + 1
-      to_evict[#to_evict + 1] = clock; to_evict[#to_evict + 1] = zero_fields[i]
-    else
-      to_free[#to_free + 1] = zero_fields[i]
-    end
-  end
-  if clock ~= nil then redis.call('HSET', K_STATE, 'clock', clock) end
-  if #to_evict > 0 then call_chunked('ZADD', K_EVICT, to_evict, 2) end
-  if #to_free > 0 then call_chunked('RPUSH', K_FREE, to_free) end
+  for i, b in ipairs(zero_blocks) do park(w, zero_fields[i], hashed[b]) end
+  write_changes(w)
   local got, moved = {}, {}
   if nplace > 0 then
     got = take_blocks(nplace, num_blocks, dups, moved, stats)
@@ -206,8 +233,7 @@ local function apply(num_blocks, hashed, stats, dups)
       h2b[#h2b + 1] = h; h2b[#h2b + 1] = s
       b2h[#b2h + 1] = s; b2h[#b2h + 1] = h
     end
-    call_chunked('HSET', K_H2B, h2b, 2)
-    call_chunked('HSET', K_B2H, b2h, 2)
+    write_hashes(h2b, b2h)
   end
   return map
 end
