@@ -23,7 +23,8 @@ from kvservice.simulate.runner import POLICIES, simulate
 from kvservice.simulate.sharing import parallel_sampling
 from kvservice.simulate.workload import PRESETS, SimRequest, generate, prompt_tokens, summary
 
-SHARES = ("token_utilization", "reservation", "internal_frag", "external_frag", "free")
+SHARES = ("token_utilization", "reservation", "internal_frag", "external_frag", "reserved_unused", "free")
+STATES = ("token", "reservation", "internal", "external", "reserved_unused", "free")
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +165,10 @@ def test_every_step_stays_within_capacity_and_the_shares_add_up(small_runs):
         assert steps[policy], policy
         for s in steps[policy]:
             assert 0 <= s["allocated"] <= s["capacity"] == 1024, (policy, s)
-            assert sum(s[k] for k in ("token", "reservation", "internal", "external", "free")) == 1024
-            assert min(s[k] for k in ("token", "reservation", "internal", "external", "free")) >= 0
+            assert sum(s[k] for k in STATES) == 1024
+            assert min(s[k] for k in STATES) >= 0
+            # the SDK's lease reserve: paged runs only, at most the study allocator's cap of 4 blocks
+            assert s["reserved_unused"] <= (4 * 16 if policy.startswith("paged") else 0), (policy, s)
         assert abs(sum(r[k] for k in SHARES) - 1) < 1e-9, policy
         assert r["completed"] + r["failed"] == r["num_requests"] == len(reqs), policy
         assert r["failed"] == 1, policy         # the request longer than max_len
@@ -182,6 +185,7 @@ def test_paged_runs_end_clean_and_beat_every_contiguous_policy(small_runs):
         assert 0 < r["peak_blocks"] <= 64
         assert r["token_utilization"] > max(runs[p]["token_utilization"] for p in ("max", "pow2", "oracle"))
         assert r["external_frag"] == 0
+        assert 0 < r["reserved_unused"] <= 4 / 64 and r["peak_reserved_blocks"] == 4
     assert runs["max"]["internal_frag"] > runs["oracle"]["internal_frag"]
     assert runs["max"]["token_utilization"] < runs["oracle"]["token_utilization"]
     shared = runs["paged-shared"]
@@ -189,6 +193,7 @@ def test_paged_runs_end_clean_and_beat_every_contiguous_policy(small_runs):
     # Sharing the prefix and the samples' prompts lets more requests run at once.
     assert shared["max_concurrency"] > runs["paged"]["max_concurrency"]
     assert runs["max"]["block_size"] == 1 and runs["max"]["avg_block_table_len"] == 0
+    assert all(runs[p]["reserved_unused"] == 0 for p in ("max", "pow2", "oracle"))
 
 
 def test_paged_policies_need_a_target_and_a_power_of_two_block():
@@ -234,11 +239,21 @@ def test_the_runner_counts_external_fragmentation_for_buddy_placement_only(targe
     reqs = [SimRequest(0, 0, 30, 2), SimRequest(1, 0, 16, 16), SimRequest(2, 0, 30, 2),
             SimRequest(3, 0, 16, 16), SimRequest(4, 3, 60, 4)]
     oracle = simulate(reqs, "oracle", capacity_tokens=160, max_len=160, debug=True)
-    paged = simulate(reqs, "paged", capacity_tokens=160, block_size=16, max_len=160, target=target, debug=True)
     assert oracle["external_frag"] > 0 and oracle["failures"] == 1
-    assert paged["external_frag"] == 0 and paged["failures"] == 0
-    assert oracle["completed"] == paged["completed"] == 5
-    assert paged["steps"] < oracle["steps"]     # the 64-token request did not wait
+    # Paged in the same 10 blocks: nothing is stranded. The 64-token request waits only for
+    # the 4 blocks of the SDK's lease reserve (granted for growth, in no table)...
+    steps: list[dict] = []
+    paged = simulate(reqs, "paged", capacity_tokens=160, block_size=16, max_len=160, target=target, debug=True,
+                     on_step=steps.append)
+    assert paged["external_frag"] == 0 and paged["failures"] == 1
+    waiting = [s for s in steps if s["waiting"]]
+    assert waiting and all(s["free"] < 64 <= s["free"] + s["reserved_unused"] for s in waiting), waiting
+    # ... and with room for the reserve besides, it does not wait at all.
+    roomy = simulate(reqs, "paged", capacity_tokens=160 + 4 * 16, block_size=16, max_len=160, target=target,
+                     debug=True)
+    assert roomy["external_frag"] == 0 and roomy["failures"] == 0
+    assert oracle["completed"] == paged["completed"] == roomy["completed"] == 5
+    assert roomy["steps"] < oracle["steps"]
 
 
 # ---------------------------------------------------------------- parallel sampling

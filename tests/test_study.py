@@ -67,8 +67,12 @@ def test_study_shape(generated):
     every = list(study["policies"].values()) + study["block_sizes"] + [
         r for runs in study["sharing"]["workloads"].values() for r in runs.values()]
     for r in every:
-        total = r["token_utilization"] + r["reservation"] + r["internal_frag"] + r["external_frag"] + r["free"]
+        total = (r["token_utilization"] + r["reservation"] + r["internal_frag"] + r["external_frag"]
+                 + r["reserved_unused"] + r["free"])
         assert total == pytest.approx(1.0, abs=1e-6), r["policy"]
+        paged = r["policy"].startswith("paged")
+        assert (r["reserved_unused"] > 0) == paged, r["policy"]   # the SDK's lease reserve: paged runs only
+        assert not paged or 1 <= r["peak_reserved_blocks"] <= 4   # the study allocator's cap
     p = study["params"]
     assert (p["seed"], p["requests"], p["capacity_tokens"], p["max_len"]) == (SEED, 40, 4096, 512)
     assert p["sweep_requests"] == 40 and p["sharing_requests"] == 24
@@ -98,7 +102,7 @@ def test_sections_and_parameters(generated):
     # no dates: regenerating the page only changes what the runs change
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", md)
     for name in ("token state", "reservation", "internal fragmentation", "external fragmentation",
-                 "free", "Measured steps"):
+                 "lease reserve (unused)", "free", "Measured steps"):
         assert f"**{name}" in md, name
 
 
@@ -109,17 +113,20 @@ def test_table1_ours_and_paper(generated):
     for policy, r in study["policies"].items():
         expected = _row([labels[policy], "ours", _pct(r["token_utilization"]), _pct(r["reservation"]),
                          _pct(r["internal_frag"]), _pct(r["external_frag"]), _pct(r["free"]),
-                         _pct(r["external_frag"] + r["free"]), f"{r['max_concurrency']:,}",
+                         _pct(r["external_frag"] + r["free"]), _pct(r["reserved_unused"]), f"{r['max_concurrency']:,}",
                          f"{1000 * r['completed_per_step']:,.1f}", f"{r['failures']:,}", f"{r['failed']:,}",
                          f"{r['preemptions']:,}"])
         assert expected in lines, expected
     # the paper's numbers, labelled as the paper's
-    assert _row(["Max", "paper: Orca (Max)", "20.4%", "13.3%", "57.3%", "", "", "8.9%", "", "", "", "", ""]) in lines
-    assert _row(["Pow2", "paper: Orca (Pow2)", "26.8%", "17.9%", "13.6%", "", "", "41.6%", "", "", "", "", ""]) in lines
-    assert _row(["Oracle", "paper: Orca (Oracle)", "38.2%", "", "", "", "", "", "", "", "", "", ""]) in lines
-    assert _row(["paged (block 16)", "paper: vLLM", "96.3%", "", "", "", "", "", "", "", "", "", ""]) in lines
-    paged = study["policies"]["paged"]["token_utilization"]
-    assert f"**paged (block 16)**: {_pct(paged)} of the memory holds tokens" in md
+    blank = [""] * 6
+    assert _row(["Max", "paper: Orca (Max)", "20.4%", "13.3%", "57.3%", "", "", "8.9%", *blank]) in lines
+    assert _row(["Pow2", "paper: Orca (Pow2)", "26.8%", "17.9%", "13.6%", "", "", "41.6%", *blank]) in lines
+    assert _row(["Oracle", "paper: Orca (Oracle)", "38.2%", "", "", "", "", "", *blank]) in lines
+    assert _row(["paged (block 16)", "paper: vLLM", "96.3%", "", "", "", "", "", *blank]) in lines
+    paged = study["policies"]["paged"]
+    assert f"**paged (block 16)**: {_pct(paged['token_utilization'])} of the memory holds tokens" in md
+    assert (f"The SDK's lease reserve held {_pct(paged['reserved_unused'])} of the memory on average "
+            f"(at most {paged['peak_reserved_blocks']:,} blocks after a step)") in md
 
 
 def test_block_size_table_and_optimum(generated):
@@ -127,7 +134,8 @@ def test_block_size_table_and_optimum(generated):
     lines = _lines(md)
     for r in study["block_sizes"]:
         row = [r["block_size"], _pct(r["token_utilization"]), _pct(r["reservation"]), _pct(r["internal_frag"]),
-               _pct(r["external_frag"] + r["free"]), f"{r['avg_block_table_len']:,.1f}", f"{r['peak_blocks']:,}"]
+               _pct(r["external_frag"] + r["free"]), _pct(r["reserved_unused"]), f"{r['avg_block_table_len']:,.1f}",
+               f"{r['peak_blocks']:,}"]
         assert any(line.startswith(_row(row)[:-1]) for line in lines), row
     best = max(study["block_sizes"], key=lambda r: (r["token_utilization"], -r["block_size"]))
     assert f"block size **{best['block_size']}** keeps the largest share" in md
@@ -142,8 +150,9 @@ def test_sharing_section(generated):
     assert ps["saving"] == pytest.approx(1 - ps["physical_blocks"] / ps["independent_blocks"], abs=1e-9)
     for w, runs in study["sharing"]["workloads"].items():
         for policy, r in runs.items():
-            row = _row([w, policy, _pct(r["token_utilization"]), f"{r['max_concurrency']:,}",
-                        f"{1000 * r['completed_per_step']:,.1f}", f"{r['tokens_per_step']:,.1f}"])
+            row = _row([w, policy, _pct(r["token_utilization"]), _pct(r["reserved_unused"]),
+                        f"{r['max_concurrency']:,}", f"{1000 * r['completed_per_step']:,.1f}",
+                        f"{r['tokens_per_step']:,.1f}"])
             assert any(line.startswith(row[:-1]) for line in lines), row
 
 

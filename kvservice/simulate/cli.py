@@ -30,7 +30,8 @@ DEFAULT_BLOCK_SIZES = [16]
 COLUMNS = (
     ("policy", "policy", "{:<12}"), ("bs", "block_size", "{:>4}"), ("token%", "token_utilization", "{:>7.1%}"),
     ("resv%", "reservation", "{:>6.1%}"), ("intern%", "internal_frag", "{:>7.1%}"),
-    ("extern%", "external_frag", "{:>7.1%}"), ("free%", "free", "{:>6.1%}"), ("failures", "failures", "{:>8}"),
+    ("extern%", "external_frag", "{:>7.1%}"), ("reserve%", "reserved_unused", "{:>8.1%}"),
+    ("free%", "free", "{:>6.1%}"), ("failures", "failures", "{:>8}"),
     ("preempt", "preemptions", "{:>7}"), ("max_conc", "max_concurrency", "{:>8}"),
     ("completed", "completed", "{:>9}"), ("failed", "failed", "{:>6}"), ("steps", "steps", "{:>7}"),
     ("seconds", "seconds", "{:>7.1f}"),
@@ -189,7 +190,8 @@ def main(args: argparse.Namespace) -> int:
               f"capacity {args.capacity_tokens} tokens, max_len {args.max_len}, max_num_seqs {args.max_num_seqs}")
         print(f"  policies {', '.join(f'{p}@{bs}' if p in PAGED_POLICIES else p for p, bs in runs)}; "
               f"allocator {args.target or 'started locally (embedded Redis)'}")
-        print("  shares are means over the measured steps: those that start with requests still waiting")
+        print("  shares are means over the measured steps: those that start with requests still waiting;")
+        print("  reserve%: blocks in the SDK's lease reserve (granted in bulk, in no block table yet)")
         print()
     results = []
     with contextlib.ExitStack() as stack:
@@ -235,5 +237,5 @@ def _table(results: list[dict]) -> None:
         if r["policy"] in PAGED_POLICIES:
             line += (f"; audit {'ok' if r['audit_ok'] else 'FAILED'}, {r['num_used_blocks']} blocks in use "
                      f"at the end, peak {r['peak_blocks']} blocks, {r['avg_block_table_len']:.1f} blocks "
-                     f"per sequence")
+                     f"per sequence, at most {r['peak_reserved_blocks']} in reserve after a step")
         print(line)

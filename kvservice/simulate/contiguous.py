@@ -63,6 +63,8 @@ class ContiguousMemory:
         token: slots holding tokens, summed over live samples.
         covered: ``min(A, f)`` summed over live samples (A: block size, f: final length).
         allocated: slots of allocated blocks.
+        reserved: slots held in reserve outside any sequence: none (paged runs: the lease's
+            reserve).
         failures: refusals this memory counted itself (none: the runner counts waits).
         preemptions: always 0 (a reservation never has to grow).
     """
@@ -77,6 +79,7 @@ class ContiguousMemory:
         self.capacity = capacity_tokens
         self.buddy = Buddy(capacity_tokens)
         self.token = self.covered = self.allocated = 0
+        self.reserved = 0
         self.failures = self.preemptions = 0
         self.running_seqs = 0
         self._blocks_of: dict[int, int] = {}   # order -> how many such blocks fit when empty

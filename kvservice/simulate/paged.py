@@ -1,9 +1,12 @@
 """The paged policies: this project's allocator itself, driven through the SDK.
 
 Nothing here re-implements paging: each run registers a fresh pool on a real allocator
-(``kvservice serve`` with its Redis), and every simulated step makes at most one
-``Client.step`` call carrying the step's frees, one-token appends, forks and creates.
-The SDK's block tables are the ground truth the accounting reads.
+(``kvservice serve`` with its Redis) and drives it through the SDK in local mode, as the
+engine does (DESIGN §5): a simulated step's frees, one-token appends and forks change the
+client's block tables at once, taking blocks from the lease's reserve; then
+``Client.flush()`` (the barrier) has the allocator apply them and refill the reserve, and
+the step's creates make one synchronous call. The SDK's block tables are the ground truth
+the accounting reads; after the flush they are also the allocator's.
 
 - ``paged``: no sharing. Every sample is its own sequence holding the whole prompt, and
   each create carries a unique ``extra_key`` so the prefix cache never shares blocks
@@ -16,17 +19,25 @@ The SDK's block tables are the ground truth the accounting reads.
 Before each step the blocks it needs are predicted from the SDK's block tables (a new
 block when a sample's last block is full, ``n - 1`` copies or ``n`` blocks at a fork, the
 prompt's blocks at a create, less the prefix blocks live sequences already hold), so the
-step does not fail. Admission keeps free what the running samples will need in the next
-step (a one-step lookahead). When the running samples' growth does not fit, the most
-recently admitted requests are preempted: freed in the same step, and recomputed from
-their tokens so far when admitted again (``paged``: each sample is created with its own
-tokens; ``paged-shared``: the prompt is created and, in the next step, forked with each
-sample's own tokens). Should the allocator still answer RESOURCE_EXHAUSTED, that is
-counted and the step is retried without its creates.
+step does not fail. Growth takes reserve blocks first, then what the pool has free; a
+create takes free blocks only (never the lease's reserve). Admission keeps free what the
+running samples will need in the next step beyond the reserve (a one-step lookahead).
+When the running samples' growth does not fit, the most recently admitted requests are
+preempted: freed in the same step, and recomputed from their tokens so far when admitted
+again (``paged``: each sample is created with its own tokens; ``paged-shared``: the
+prompt is created and, in the next step, forked with each sample's own tokens). Should
+the allocator still refuse the creates (RESOURCE_EXHAUSTED), that is counted and their
+requests go back to the queue.
+
+**The lease's reserve** holds blocks that are in no table: the allocator gave them to
+this lease, so they are not free, and they hold no token either. After each step's flush
+its size (``Client.reserved_blocks()``) is counted as a state of its own,
+``reserved_unused``, beside the others (see ``runner``).
 """
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections import Counter
 from contextlib import contextmanager
@@ -41,6 +52,23 @@ if TYPE_CHECKING:
     from kvservice.simulate.runner import RunState
 
 
+#: Seconds between the interpreter's forced thread switches while a paged run lasts.
+#: NOTE: the SDK's background flusher can hand back, as surplus over the reserve cap, the
+#: blocks that a step's synchronous refill fetched beyond the cap, before the step takes
+#: them (ResourceExhausted, or IndexError in the middle of the step). The flusher gets the
+#: interpreter lock only when the simulator's thread waits on an RPC or after this
+#: interval; the refill and the step it serves take far less.
+SWITCH_INTERVAL = 0.1
+
+#: The flags of the simulator's own allocator. Every lease's reserve is capped at its size
+#: under pressure (``reserve_min_blocks``, 4 blocks), which is what the default settings
+#: give a pool whose free + evictable blocks are below 5%, i.e. a memory-bound run's
+#: measured steps; a cap that moved with the pool's free blocks would make the reserve's
+#: size after a step depend on when the SDK's background flusher ran, and runs would no
+#: longer be deterministic.
+ALLOCATOR_FLAGS = ("--metrics-port", "-1", "--log-level", "WARNING", "--reserve-pressure-share", "1")
+
+
 @contextmanager
 def local_allocator(timeout: float = 60.0) -> Iterator[str]:
     """Starts an allocator process with an embedded Redis; yields its ``host:port``.
@@ -49,9 +77,10 @@ def local_allocator(timeout: float = 60.0) -> Iterator[str]:
         timeout: seconds to wait for it to serve.
 
     Yields:
-        The allocator's target; the process (and its Redis) stop when the block exits.
+        The allocator's target (flags: ``ALLOCATOR_FLAGS``); the process (and its Redis)
+        stop when the block exits.
     """
-    proc = AllocatorProcess(args=("--metrics-port", "-1", "--log-level", "WARNING"))
+    proc = AllocatorProcess(args=ALLOCATOR_FLAGS)
     proc.start(timeout)
     try:
         yield proc.target
@@ -76,6 +105,8 @@ class PagedMemory:
         capacity: slots of the pool (``num_blocks * block_size``).
         used: blocks referenced by live sequences (predicted before a step, exact after).
         token, covered, allocated: the accounting totals in slots (see ``runner``).
+        reserved: slots of the lease's reserve blocks (in no table) after the step's flush.
+        peak_reserved: the most blocks in the reserve after a step.
         failures: preemption steps plus RESOURCE_EXHAUSTED replies.
         preemptions: requests preempted.
     """
@@ -85,14 +116,22 @@ class PagedMemory:
         self.shared, self.block_size, self.seed = shared, block_size, seed
         self.num_blocks = capacity_tokens // block_size
         self.capacity = self.num_blocks * block_size
-        self.client = Client(target, tenant=f"sim-{uuid.uuid4().hex[:12]}", lease_ttl=120.0)
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(max(self._switch_interval, SWITCH_INTERVAL))
+        try:
+            self.client = Client(target, tenant=f"sim-{uuid.uuid4().hex[:12]}", lease_ttl=120.0, local=True)
+        except BaseException:
+            sys.setswitchinterval(self._switch_interval)
+            raise
         self.pool = f"sim-{'shared' if shared else 'paged'}-{block_size}-{uuid.uuid4().hex[:8]}"
         try:
             self.client.register_pool(self.pool, num_blocks=self.num_blocks, block_size=block_size)
         except BaseException:
-            self.client.close()
+            self.close()
             raise
         self.used = self.peak = 0
+        self.reserved = self.peak_reserved = 0
+        self._settled = False                 # this step's local changes are applied and flushed
         self.lookahead = lookahead
         self._next = 0                        # blocks the running samples need next step
         self._wanted = 0                      # blocks the last refused admission needed
@@ -107,6 +146,7 @@ class PagedMemory:
         self._forks: dict = {}
         self._forking: list["RunState"] = []
         self._creates: list[tuple["RunState", int, int]] = []   # (request, sample, blocks needed)
+        self._children: dict = {}             # this step's forks: parent id -> children
 
     # ------------------------------------------------------------ sizing
 
@@ -114,7 +154,7 @@ class PagedMemory:
         return -(-tokens // self.block_size)
 
     def need_slots(self, r: "RunState") -> int:
-        """Slots the last refused admission (``r``'s) needed free."""
+        """Slots the last refused admission (``r``'s) needed free (the reserve aside)."""
         return self._wanted * self.block_size
 
     def fits_ever(self, r: "RunState") -> bool:
@@ -231,8 +271,9 @@ class PagedMemory:
 
         A ``paged-shared`` request with several samples also needs its fork step's blocks
         free (they are taken in the next step). With ``lookahead``, the blocks that the
-        running samples will need in the next step are kept free too, so that an admission
-        does not force a preemption one step later.
+        running samples will need in the next step are kept free too, as far as the
+        lease's reserve does not cover them, so that an admission does not force a
+        preemption one step later. The reserve's blocks are not free for the create.
         """
         bs, length = self.block_size, self._create_len(r)
         if self.shared:
@@ -246,8 +287,11 @@ class PagedMemory:
         ahead = self._next if self.lookahead else 0
         if self.shared and r.n > 1:
             ahead += later
-        if need > self.num_blocks - self.used - ahead:
-            self._wanted = need + ahead
+        # The create takes free blocks; the next step's growth takes the reserve first.
+        reserve = self._settle()
+        wanted = need + max(0, ahead - reserve)
+        if wanted > self.num_blocks - self.used - reserve:
+            self._wanted = wanted
             return False
         self.used += need
         self._next += later
@@ -261,25 +305,51 @@ class PagedMemory:
         k = min(r.req.shared_prefix // self.block_size, (length - 1) // self.block_size, len(self._sys))
         return k if k and all(b in self._ref for b in self._sys[:k]) else 0
 
+    def _settle(self) -> int:
+        """Applies this step's frees, forks and appends (local, once per step), then flushes;
+        returns the blocks in the lease's reserve.
+
+        Three calls, so that the SDK sizes each one's reserve need exactly: the frees first,
+        flushed (what they release serves the growth; a Sync sizes its refill from the pool
+        as it was before its own journal), then the forks (each child copies the shared
+        partial block it writes), then the appends (a fork's parent, the last writer, keeps
+        its block).
+        """
+        if not self._settled:
+            self._settled = True
+            if self._frees:
+                self.client.step(frees=self._frees)
+                self.client.flush()
+            res = self.client.step(forks=self._forks)
+            self.client.step(self._appends)
+            self._children = res.children
+            self.client.flush()
+            self.reserved = self.client.reserved_blocks() * self.block_size
+            self.peak_reserved = max(self.peak_reserved, self.reserved // self.block_size)
+        return self.reserved // self.block_size
+
     def flush(self, step: int) -> list["RunState"]:
-        """Sends the step (at most one ``Client.step``); returns requests it could not admit."""
+        """Ends the step: its local changes (if no admission did yet) and its creates (one
+        synchronous call); returns requests the allocator could not admit."""
+        self._settle()
         creates = []
         for r, i, _ in self._creates:
             key = b"shared" if self.shared else f"{r.req.id}/{i}".encode()
             creates.append((tokens_so_far(r.req, self.seed, i, self._create_len(r)), self.pool, key))
         refused: list["RunState"] = []
-        try:
-            res = self.client.step(self._appends, forks=self._forks, frees=self._frees, creates=creates)
-        except errors.ResourceExhausted:
-            self.failures += 1
-            self.exhausted += 1
-            refused = list(dict.fromkeys(r for r, _, _ in self._creates))
-            for r, _, need in self._creates:
-                self.used -= need
-                r.fork_pending = False
-            self._creates, creates = [], []
-            res = self.client.step(self._appends, forks=self._forks, frees=self._frees)
-        for (r, _, _), seq in zip(self._creates, res.created):
+        created = []
+        if creates:
+            try:
+                created = self.client.step(creates=creates).created
+            except errors.ResourceExhausted:   # one pool: all of them or none
+                self.failures += 1
+                self.exhausted += 1
+                refused = list(dict.fromkeys(r for r, _, _ in self._creates))
+                for r, _, need in self._creates:
+                    self.used -= need
+                    r.fork_pending = False
+                self._creates = []
+        for (r, _, _), seq in zip(self._creates, created):
             r.seqs.append(seq)
             self._live[seq] = r
             if not self.shared:
@@ -288,7 +358,7 @@ class PagedMemory:
                 self.covered += min(seq.capacity, r.f)
         for r in self._forking:
             parent = r.seqs[0]
-            r.seqs = [parent, *res.children[parent.id]]
+            r.seqs = [parent, *self._children[parent.id]]
             for s in r.seqs[1:]:
                 self._live[s] = r
         if self.shared:
@@ -299,6 +369,7 @@ class PagedMemory:
                 self._remember_prefix()
         self.peak = max(self.peak, self.used)
         self._frees, self._appends, self._forks, self._forking, self._creates = [], {}, {}, [], []
+        self._children, self._settled = {}, False
         return refused
 
     def _sys_live(self) -> bool:
@@ -354,21 +425,29 @@ class PagedMemory:
                 f"totals {(self.token, self.covered, self.allocated)} != {(token, covered, allocated)}")
             assert self.used * bs == allocated
         stats = self.client.pool_stats(self.pool)
-        assert stats.num_used_blocks == self.used <= self.num_blocks, (
-            f"allocator: {stats.num_used_blocks} used blocks, local {self.used}")
+        assert stats.num_used_blocks == self.used <= self.num_blocks - self.reserved // bs, (
+            f"allocator: {stats.num_used_blocks} used blocks, local {self.used}, "
+            f"{self.reserved // bs} reserved, of {self.num_blocks}")
+        assert stats.num_reserved_blocks == self.reserved // bs, (
+            f"allocator: {stats.num_reserved_blocks} reserved blocks, the SDK {self.reserved // bs}")
 
     def finish(self) -> dict:
         """Frees whatever is live, then audits the pool."""
         if self._live:
             self.client.step(frees=list(self._live))
             self._live.clear()
+        self.client.flush()
         audit = self.client.audit(self.pool)
         stats = self.client.pool_stats(self.pool)
         return {"audit_ok": bool(audit.ok), "audit_problems": list(audit.problems),
                 "num_used_blocks": int(stats.num_used_blocks), "peak_blocks": self.peak,
                 "pool_id": self.pool, "exhausted": self.exhausted, "cow_copies": int(stats.cow_copies),
-                "prefix_hit_tokens": int(stats.prefix_hit_tokens), "evictions": int(stats.evictions)}
+                "prefix_hit_tokens": int(stats.prefix_hit_tokens), "evictions": int(stats.evictions),
+                "peak_reserved_blocks": self.peak_reserved}
 
     def close(self) -> None:
         """Revokes the lease (its sequences, if any, are freed with it)."""
-        self.client.close()
+        try:
+            self.client.close()
+        finally:
+            sys.setswitchinterval(self._switch_interval)

@@ -37,6 +37,7 @@ STATES = (
     ("reservation", "reservation", "reservation", "#f9a825"),
     ("internal_frag", "internal", "internal fragmentation", "#ef6c00"),
     ("external_frag", "external", "external fragmentation", "#c62828"),
+    ("reserved_unused", "reserved_unused", "lease reserve (unused)", "#6d4c41"),
     ("free", "free", "free", "#b0bec5"),
 )
 POLICY_COLORS = {"max": "#c62828", "pow2": "#ef6c00", "oracle": "#1565c0", "paged": "#2e7d32",
@@ -105,8 +106,8 @@ def table1_row(policy: str, r: dict[str, Any]) -> list[str]:
     return [POLICY_LABELS.get(policy, policy), "ours",
             fmt_pct(r["token_utilization"]), fmt_pct(r["reservation"]), fmt_pct(r["internal_frag"]),
             fmt_pct(r["external_frag"]), fmt_pct(r["free"]), fmt_pct(r["external_frag"] + r["free"]),
-            fmt_int(r["max_concurrency"]), fmt_num(per_1k_steps(r)), fmt_int(r["failures"]),
-            fmt_int(r["failed"]), fmt_int(r["preemptions"])]
+            fmt_pct(r["reserved_unused"]), fmt_int(r["max_concurrency"]), fmt_num(per_1k_steps(r)),
+            fmt_int(r["failures"]), fmt_int(r["failed"]), fmt_int(r["preemptions"])]
 
 
 def paper_row(policy: str) -> list[str]:
@@ -114,7 +115,7 @@ def paper_row(policy: str) -> list[str]:
     p = PAPER[policy]
     return [POLICY_LABELS.get(policy, policy), f"paper: {p['system']}", fmt_paper(p["token"]),
             fmt_paper(p["reservation"]), fmt_paper(p["internal"]), "", "", fmt_paper(p["external_other"]),
-            "", "", "", "", ""]
+            "", "", "", "", "", ""]
 
 
 def last_block_waste(r: dict[str, Any]) -> float:
@@ -125,14 +126,15 @@ def last_block_waste(r: dict[str, Any]) -> float:
 def sweep_row(r: dict[str, Any]) -> list[str]:
     """The block-size table's row of one paged run."""
     return [str(r["block_size"]), fmt_pct(r["token_utilization"]), fmt_pct(r["reservation"]),
-            fmt_pct(r["internal_frag"]), fmt_pct(r["external_frag"] + r["free"]),
+            fmt_pct(r["internal_frag"]), fmt_pct(r["external_frag"] + r["free"]), fmt_pct(r["reserved_unused"]),
             fmt_num(r["avg_block_table_len"]), fmt_int(r["peak_blocks"]), fmt_int(r["max_concurrency"]),
             fmt_num(per_1k_steps(r)), fmt_int(r["preemptions"]), fmt_seconds(r.get("seconds"))]
 
 
 def sharing_row(workload: str, policy: str, r: dict[str, Any]) -> list[str]:
     """The sharing table's row of one run."""
-    return [workload, policy, fmt_pct(r["token_utilization"]), fmt_int(r["max_concurrency"]),
+    return [workload, policy, fmt_pct(r["token_utilization"]), fmt_pct(r["reserved_unused"]),
+            fmt_int(r["max_concurrency"]),
             fmt_num(per_1k_steps(r)), fmt_num(r["tokens_per_step"]), fmt_int(r["peak_blocks"]),
             fmt_int(r["preemptions"]), fmt_int(r.get("prefix_hit_tokens")), fmt_int(r.get("cow_copies")),
             "yes" if saturated(r) else "no"]
@@ -261,6 +263,10 @@ def _compare_text(study: dict[str, Any]) -> list[str]:
                    f"{fmt_int(pol['paged']['steps'])} steps against {fmt_int(pol['max']['steps'])}.")
     if "paged" in pol:
         g = pol["paged"]
+        out.append(f"- The SDK's lease reserve held {fmt_pct(g['reserved_unused'])} of the memory on average "
+                   f"(at most {fmt_int(g.get('peak_reserved_blocks'))} blocks after a step): blocks the "
+                   f"allocator granted in bulk for the next steps' growth, in no block table yet. They are "
+                   f"neither free nor holding tokens, and counted apart as *lease reserve*.")
         other = g["external_frag"] + g["free"]
         if other > 0.005:
             out.append(f"- Paging's remaining {fmt_pct(other)} external + free is memory left free at steps "
@@ -350,11 +356,20 @@ def render_markdown(study: dict[str, Any]) -> str:
     add(command_line(P))
     add("```")
     add("")
+    reserve = ("The study's own allocator caps every lease's reserve at its size under memory pressure "
+               "(`--reserve-pressure-share 1`: `reserve_min_blocks`, 4 by default, what the default settings "
+               "give a memory-bound pool), so that the reserve after a step does not depend on when the SDK's "
+               "background flusher ran. " if not P.get("target") else
+               "The reserve's size follows the settings of the allocator at the target. ")
     add("The second line is the same run with every parameter spelled out. The simulator is a "
         "continuous-batching step loop (FCFS admission, one token per running sample per step); the "
         "contiguous policies place their reservations with a buddy allocator, the paged policies run on "
-        "the real kvservice allocator through the SDK (one fresh pool per run, at most one allocator call "
-        "per step). Runs are deterministic for a seed.")
+        "the real kvservice allocator through the SDK in local mode, as the engine does (one fresh pool per "
+        "run; a step's frees, appends and forks change the SDK's block tables at once, taking blocks from "
+        "the lease's reserve; a flush has the allocator apply them; the step's creates make one call). "
+        + reserve + "Runs are deterministic for a seed, except for which cached blocks a reserve refill "
+        "evicts (it depends on when the flusher sent it): prefix-hit tokens and evictions of the paged "
+        "runs may differ a little from one run to the next.")
     add("")
     ps = study["sharing"]["parallel_sampling"]
     target = f"`{P['target']}`" if P.get("target") else "a local allocator with an embedded Redis, started for the study"
@@ -403,14 +418,14 @@ def render_markdown(study: dict[str, Any]) -> str:
                  for r in study.get("runs", [])), "llllrrrl")
     add("")
     add("*pool audit*: after each paged run the allocator checks its pool's invariants (every block free, "
-        "cached or referenced, reference counts equal to the block tables holding them, the prefix hashes "
-        "consistent) and that no block is still in use.")
+        "cached, referenced or in one lease's reserve, reference counts equal to the block tables holding "
+        "them, the prefix hashes consistent) and that no block is still in use.")
     add("")
 
     # -- definitions
     add("## What is measured")
     add("")
-    add("After every step the simulator splits the KV capacity (token slots) into five states that add up "
+    add("After every step the simulator splits the KV capacity (token slots) into six states that add up "
         "to 100%. For a live sample with `A` allocated slots (contiguous: its buddy block; paged: the "
         "slots of its blocks, a block shared by several samples counted once), `t` tokens in its KV and "
         "final length `f`:")
@@ -424,12 +439,16 @@ def render_markdown(study: dict[str, Any]) -> str:
         "tail of a paged sequence's final block.")
     add("- **external fragmentation**: at a step where the queue's next request could not be placed although "
         "the free slots were at least what it needed, all free slots (stranded in holes); else 0.")
+    add("- **lease reserve (unused)**: paged: the slots of the blocks in the SDK's lease reserve after the "
+        "step: the allocator granted them to the lease in bulk (DESIGN §5) and they are in no block table "
+        "yet, so they are neither free nor holding tokens; contiguous: 0.")
     add("- **free**: the remaining free slots.")
     add("")
     add("**Measured steps.** Shares are averaged over the steps that start with a non-empty waiting queue, "
         "i.e. while memory (or the batch limit) holds requests back; ramp-up and drain, when memory is free "
         "because there is nothing to run, are left out. The paper's last state is \"external "
-        "fragmentation and others\"; we compare it with our external fragmentation **plus** free.")
+        "fragmentation and others\"; we compare it with our external fragmentation **plus** free, and "
+        "show the lease reserve beside it.")
     unmeasured = [f"{r['policy']} on {r.get('workload') or '?'}" for r in _all_runs(study)
                   if r.get("measured_regime") is False]
     if unmeasured:
@@ -453,13 +472,14 @@ def render_markdown(study: dict[str, Any]) -> str:
         "reservation policy, and vLLM); blank where the paper gives no number.")
     add("")
     header = ("policy", "source", "token state", "reservation", "internal frag.", "external frag.", "free",
-              "external + free", "max concurrency", "completed / 1k steps", "failures", "failed", "preemptions")
+              "external + free", "lease reserve", "max concurrency", "completed / 1k steps", "failures", "failed",
+              "preemptions")
     rows = []
     for p, r in pol.items():
         rows.append(table1_row(p, r))
         if p in PAPER:
             rows.append(paper_row(p))
-    L += _table(header, rows, "llrrrrrrrrrrr")
+    L += _table(header, rows, "llrrrrrrrrrrrr")
     add("")
     L += _compare_text(study)
     add("")
@@ -476,10 +496,10 @@ def render_markdown(study: dict[str, Any]) -> str:
         "each block size. A block table has one entry per block of a sequence; *average block-table "
         "length* is the mean over the measured steps of block-table entries per running sample.")
     add("")
-    L += _table(("block size", "token state", "reservation", "internal frag.", "external + free",
+    L += _table(("block size", "token state", "reservation", "internal frag.", "external + free", "lease reserve",
                  "avg block-table length", "peak blocks", "max concurrency", "completed / 1k steps",
                  "preemptions", "wall time"),
-                (sweep_row(r) for r in study["block_sizes"]), "rrrrrrrrrrr")
+                (sweep_row(r) for r in study["block_sizes"]), "rrrrrrrrrrrr")
     add("")
     add(" ".join(_block_size_text(study["block_sizes"])))
     add("")
@@ -531,9 +551,9 @@ def render_markdown(study: dict[str, Any]) -> str:
         "some request had to wait for memory.")
     add("")
     rows = [sharing_row(w, p, r) for w, runs in study["sharing"]["workloads"].items() for p, r in runs.items()]
-    L += _table(("workload", "policy", "token state", "max concurrency", "completed / 1k steps",
+    L += _table(("workload", "policy", "token state", "lease reserve", "max concurrency", "completed / 1k steps",
                  "tokens / step", "peak blocks", "preemptions", "prefix-hit tokens", "copy-on-write copies",
-                 "memory-bound"), rows, "llrrrrrrrrl")
+                 "memory-bound"), rows, "llrrrrrrrrrl")
     add("")
     L += _workload_text(study)
     add("")
@@ -567,6 +587,9 @@ def render_markdown(study: dict[str, Any]) -> str:
     add("- **Sharing** pays off when sequences share long prefixes: parallel samples share their prompt, "
         "requests with a common system prompt share its full blocks. The memory saved goes to more "
         "requests at once.")
+    add("- **Lease reserve** is what a decode step without allocator calls costs in memory: each engine's "
+        "SDK holds a few blocks ahead of its growth, in no table. Its share is the cap over the pool's size: "
+        "a few blocks per engine under pressure, about 1% of the pool at most otherwise.")
     add("")
     return "\n".join(L)
 

@@ -29,9 +29,12 @@ once), ``t`` tokens in its KV and final length ``f``:
   reservation for the maximum length, the unused tail of a paged final block);
 - ``external``: at a step where the queue's head could not be placed although the free
   slots were at least what it needed, all free slots (stranded in holes), else 0;
+- ``reserved_unused``: paged: the slots of the blocks in the lease's reserve after the
+  step (the allocator gave them to the SDK, which has not put them in a table yet; the
+  SDK refills the reserve in bulk, DESIGN §5); contiguous: 0;
 - ``free``: the remaining free slots.
 
-The five add up to the capacity at every step. Reported shares are their means over the
+The six add up to the capacity at every step. Reported shares are their means over the
 **measured steps**: the steps that start with a non-empty queue, i.e. while memory (or
 the batch limit) holds requests back. If no step qualifies, every step is measured
 (``measured_regime`` is then False).
@@ -50,7 +53,7 @@ from kvservice.simulate.workload import SimRequest
 
 POLICIES = ("max", "pow2", "oracle", "paged", "paged-shared")
 PAGED_POLICIES = ("paged", "paged-shared")
-SERIES = ("token", "reservation", "internal", "external", "free")
+SERIES = ("token", "reservation", "internal", "external", "reserved_unused", "free")
 
 
 class RunState:
@@ -109,19 +112,19 @@ def simulate(requests: list[SimRequest], policy: str, *, capacity_tokens: int, b
     Returns:
         A dict: ``policy``, ``block_size`` (contiguous: 1), ``workload``, ``seed``,
         ``num_requests``, ``capacity_tokens`` (as given; the shares use the pool's
-        ``num_blocks * block_size`` slots), ``max_len``, ``max_num_seqs``; the five shares
+        ``num_blocks * block_size`` slots), ``max_len``, ``max_num_seqs``; the six shares
         ``token_utilization``, ``reservation``, ``internal_frag``, ``external_frag``,
-        ``free`` (0-1, summing to 1); ``failures`` (head-of-line requests that had to
-        wait, once each, plus paged steps whose growth forced a preemption, plus
-        RESOURCE_EXHAUSTED replies), ``failed``, ``completed``, ``max_concurrency``
+        ``reserved_unused``, ``free`` (0-1, summing to 1); ``failures`` (head-of-line
+        requests that had to wait, once each, plus paged steps whose growth forced a
+        preemption, plus RESOURCE_EXHAUSTED replies), ``failed``, ``completed``, ``max_concurrency``
         (requests), ``preemptions``, ``steps``, ``measured_steps``, ``measured_regime``,
         ``seq_limited_steps`` (measured steps whose head waited for ``max_num_seqs``
         rather than memory), ``tokens_per_step`` (output tokens of completed requests
         per step), ``completed_per_step``, ``avg_block_table_len``, ``peak_blocks``,
         ``audit_ok``, ``num_used_blocks`` (at the end), ``seconds`` and ``timeline``
-        (``step``, the five series as shares, ``running``; bucket means). Paged runs add
-        ``pool_id``, ``cow_copies``, ``prefix_hit_tokens``, ``evictions``, ``exhausted``
-        and ``audit_problems``.
+        (``step``, the six series as shares, ``running``; bucket means). Paged runs add
+        ``pool_id``, ``cow_copies``, ``prefix_hit_tokens``, ``evictions``, ``exhausted``,
+        ``peak_reserved_blocks`` and ``audit_problems``.
 
     Raises:
         ValueError: an unknown policy or a parameter out of range.
@@ -167,7 +170,7 @@ def _run(mem, requests, max_len, max_num_seqs, progress, status, debug, on_step,
     to_release: list[RunState] = []
     numbers = itertools.count()
     nxt = step = done = completed = failed = waits = running_seqs = max_conc = out_tokens = 0
-    sums, all_sums = [0] * 5, [0] * 5
+    sums, all_sums = [0] * len(SERIES), [0] * len(SERIES)
     measured = processed = seq_limited = 0
     table_sum = all_table_sum = 0.0
     paged = not isinstance(mem, ContiguousMemory)
@@ -225,13 +228,13 @@ def _run(mem, requests, max_len, max_num_seqs, progress, status, debug, on_step,
             queue.appendleft(r)
         if debug:
             mem.check(running, step)
-        token, covered, allocated = mem.token, mem.covered, mem.allocated
-        free = cap - allocated
+        token, covered, allocated, reserved = mem.token, mem.covered, mem.allocated, mem.reserved
+        free = cap - allocated - reserved
         external = 0
         if blocked is not None and free >= mem.need_slots(blocked):
             external, free = free, 0
-        vals = (token, covered - token, allocated - covered, external, free)
-        if min(vals) < 0 or allocated > cap:
+        vals = (token, covered - token, allocated - covered, external, reserved, free)
+        if min(vals) < 0 or allocated + reserved > cap:
             raise AssertionError(f"step {step}: inconsistent accounting {vals} of {cap} slots")
         processed += 1
         per_seq = mem.logical_blocks / running_seqs if paged and running_seqs else 0.0
@@ -270,10 +273,10 @@ def _run(mem, requests, max_len, max_num_seqs, progress, status, debug, on_step,
     report()
     regime = measured > 0
     use, count, tables = (sums, measured, table_sum) if regime else (all_sums, processed, all_table_sum)
-    shares = [s / (cap * count) if count else (0.0 if i < 4 else 1.0) for i, s in enumerate(use)]
+    shares = [s / (cap * count) if count else float(k == "free") for k, s in zip(SERIES, use)]
     return {
         "token_utilization": shares[0], "reservation": shares[1], "internal_frag": shares[2],
-        "external_frag": shares[3], "free": shares[4],
+        "external_frag": shares[3], "reserved_unused": shares[4], "free": shares[5],
         "failures": waits + mem.failures, "failed": failed, "completed": completed,
         "max_concurrency": max_conc, "preemptions": mem.preemptions, "steps": step,
         "measured_steps": count, "measured_regime": regime, "seq_limited_steps": seq_limited,

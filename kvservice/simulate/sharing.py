@@ -5,10 +5,11 @@ created once and forked: the children share its blocks, the allocator copies a s
 partial last block when a sample first writes into it, and every sample then grows its
 own blocks. Without sharing, ``n`` independent sequences each hold the whole prompt.
 
-``parallel_sampling`` runs both cases through the SDK, each on a fresh pool (one
-``Client.step`` per simulated step), records the peak of each pool's used blocks as the
-allocator reports them, and compares the shared peak with the least possible and with
-the unshared count::
+``parallel_sampling`` runs both cases through the SDK in local mode, each on a fresh pool
+(one ``Client.step`` per simulated step, applied locally; after each step whose block
+tables grew, ``Client.flush()`` and the allocator's count), records the peak of each
+pool's used blocks as the allocator reports them, and compares the shared peak with the
+least possible and with the unshared count::
 
     minimum     = prompt // bs + n * ceil((prompt % bs + output) / bs)
     independent = n * ceil((prompt + output) / bs)
@@ -44,8 +45,10 @@ def parallel_sampling(target: str, *, prompt_len: int = 2000, n: int = 4, output
         ``physical_blocks`` (peak used blocks of the shared run), ``minimum_blocks``,
         ``independent_blocks`` (the unshared count, from the formula),
         ``independent_measured`` (the unshared run's peak), ``saving`` (``1 - physical /
-        independent``), ``cow_copies``, ``steps``, ``rpcs`` (steps of the shared run that
-        called the allocator), ``sample_tokens``, ``audit_ok`` (both pools),
+        independent``), ``cow_copies``, ``steps``, ``flushes`` (of the shared run: after
+        its fork step and after each step whose block tables grew, each followed by a read
+        of the allocator's count),
+        ``sample_tokens``, ``audit_ok`` (both pools),
         ``num_used_blocks`` (both pools, at the end), ``seconds`` and the inputs.
 
     Raises:
@@ -60,14 +63,14 @@ def parallel_sampling(target: str, *, prompt_len: int = 2000, n: int = 4, output
     minimum = prompt_len // bs + n * math.ceil((prompt_len % bs + output_len) / bs)
     independent = n * math.ceil((prompt_len + output_len) / bs)
     req = SimRequest(0, 0, prompt_len, output_len, n)
-    with Client(target, tenant=f"sim-{uuid.uuid4().hex[:12]}", lease_ttl=60.0) as client:
+    with Client(target, tenant=f"sim-{uuid.uuid4().hex[:12]}", lease_ttl=60.0, local=True) as client:
         shared = _run(client, req, seed, bs, independent + n, fork=True)
         alone = _run(client, req, seed, bs, independent + n, fork=False)
     return {
         "prompt_len": prompt_len, "n": n, "output_len": output_len, "block_size": bs,
         "physical_blocks": shared["peak"], "minimum_blocks": minimum, "independent_blocks": independent,
         "independent_measured": alone["peak"], "saving": 1 - shared["peak"] / independent,
-        "cow_copies": shared["copies"], "steps": shared["steps"], "rpcs": shared["rpcs"],
+        "cow_copies": shared["copies"], "steps": shared["steps"], "flushes": shared["flushes"],
         "sample_tokens": shared["tokens"], "audit_ok": shared["audit_ok"] and alone["audit_ok"],
         "num_used_blocks": shared["left"] + alone["left"], "seconds": time.perf_counter() - started,
     }
@@ -90,16 +93,24 @@ def _run(client: Client, req: SimRequest, seed: int, bs: int, num_blocks: int, *
         peak = client.pool_stats(pool).num_used_blocks
         res = client.step({s: [first[i]] for i, s in enumerate(samples)})
     copies = len(res.copies)
-    peak = max(peak, client.pool_stats(pool).num_used_blocks)
-    steps = rpcs = 2
+
+    def used() -> int:   # the allocator's count, once it has applied the local changes
+        client.flush()
+        return client.pool_stats(pool).num_used_blocks
+
+    peak = max(peak, used())
+    steps, flushes = 2, 1
+    blocks = sum(len(s.block_table) for s in samples)
     for pos in range(p + 1, p + req.output_len):
         res = client.step({s: [output_token(0, i, pos)] for i, s in enumerate(samples)})
         copies += len(res.copies)
         steps += 1
-        if res.rpc:
-            rpcs += 1
-            peak = max(peak, client.pool_stats(pool).num_used_blocks)
+        grown = sum(len(s.block_table) for s in samples)
+        if grown != blocks:
+            blocks, flushes = grown, flushes + 1
+            peak = max(peak, used())
     tokens = [s.num_tokens for s in samples]
     client.step(frees=samples)
-    return {"peak": int(peak), "copies": copies, "steps": steps, "rpcs": rpcs, "tokens": tokens,
+    client.flush()
+    return {"peak": int(peak), "copies": copies, "steps": steps, "flushes": flushes, "tokens": tokens,
             "audit_ok": bool(client.audit(pool).ok), "left": int(client.pool_stats(pool).num_used_blocks)}
