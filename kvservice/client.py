@@ -415,24 +415,33 @@ class Client:
             # only make it miss, a pending free only leave a block referenced a little
             # longer); the pool's capacity may: then flush and try once more.
             try:
-                created = self._step_remote({}, {}, [], creates)
-            except errors.ResourceExhausted:
-                if not any(j.pending for j in self._journals.values()):
-                    raise
-                self.flush()
-                created = self._step_remote({}, {}, [], creates)
-            with self._lock:
-                for seq in created.created:
-                    pj = self._journal(seq)
-                    pj.hold(seq._table)
-                    pj.hash_of.update(zip(seq._table, seq._prompt_hashes))
-                    seq._logged = seq._num_tokens
-                    seq._room = _room(seq)
-                    self._live.add(seq)
+                try:
+                    created = self._step_remote({}, {}, [], creates)
+                except errors.ResourceExhausted as exc:
+                    if exc.result is not None or not any(j.pending for j in self._journals.values()):
+                        raise
+                    self.flush()
+                    created = self._step_remote({}, {}, [], creates)
+            except errors.KvsError as exc:
+                if exc.result is not None:      # the pools that did create: their sequences are ours
+                    self._adopt(exc.result.created)
+                raise
+            self._adopt(created.created)
             result.created = created.created
             result.copies.extend(created.copies)
             result.rpc = True
         return result
+
+    def _adopt(self, created: list["Sequence"]) -> None:
+        """New sequences join the local state (their pools' journals)."""
+        with self._lock:
+            for seq in created:
+                pj = self._journal(seq)
+                pj.hold(seq._table)
+                pj.hash_of.update(zip(seq._table, seq._prompt_hashes))
+                seq._logged = seq._num_tokens
+                seq._room = _room(seq)
+                self._live.add(seq)
 
     def _append_fast(self, appends: dict) -> dict:
         """Applies the appends that stay below each sequence's ``_room`` (inside its

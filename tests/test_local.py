@@ -131,3 +131,42 @@ def test_a_client_whose_keep_alives_fail_refuses_local_changes_once_its_lease_ma
         c._stop.set()
         c.channel.close()
         server.stop()
+
+
+def test_a_step_that_frees_and_grows_in_a_full_pool_gets_the_freed_blocks(server):
+    """The Sync that covers the step applies its frees first and sizes the refill after."""
+    with Client(server.target, tenant="t1", local=True, flush_interval=3600) as c:
+        c.register_pool("p0", num_blocks=16, block_size=BS)
+        c.flush()
+        seqs = [c.create([i] * (2 * BS) + [i], pool="p0") for i in range(4)]    # 12 blocks, partial last ones
+        c.flush()
+        with Client(server.target, tenant="t2") as other:
+            free = stats(server.redis_url, "p0")["num_free_blocks"]       # (beside the client's reserve)
+            filler = other.create(list(range(100, 100 + free * BS)), pool="p0") if free else None
+            assert stats(server.redis_url, "p0")["num_free_blocks"] == 0
+            keep, drop = seqs[:2], seqs[2:]
+            c.step(frees=drop)                        # 6 blocks: 4 full (hashed) and 2 partial
+            c.step({s: [7] * (4 * BS) for s in keep})     # 4 new blocks each: more than the reserve holds
+            assert all(len(s.block_table) == 7 for s in keep)
+            _agree(c, keep)
+            if filler is not None:
+                filler.free()
+        assert audit(server.redis_url) == []
+
+
+def test_a_create_refused_in_one_pool_keeps_the_sequences_made_in_another(server):
+    with Client(server.target, tenant="t1", local=True) as c:
+        c.register_pool("small", num_blocks=4, block_size=BS)
+        c.register_pool("big", num_blocks=64, block_size=BS)
+        with pytest.raises(errors.ResourceExhausted) as info:
+            c.step(creates=[([1] * (2 * BS), "big", b""), ([2] * (9 * BS), "small", b"")])
+        made = info.value.result.created
+        assert [s.pool for s in made] == ["big"]
+        made[0].append([3] * (2 * BS))            # journaled like any sequence of this client
+        child = made[0].fork([4])
+        _agree(c, [made[0], child])
+        child.free()
+        made[0].free()
+        c.flush()
+        assert stats(server.redis_url, "big")["num_sequences"] == 0
+    assert audit(server.redis_url) == []

@@ -380,13 +380,8 @@ local ok, plan = guarded(function()
     end
     mine[b] = nil
   end
-  local kept = reserved + reserve_delta - #p.returned
-  local available = available_now(num_blocks)
-  local cap = p.cap
-  if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
-  local need = math.max(0, math.max(math.min(p.want, cap), p.need) - kept)
-  return {epoch = epoch, num_blocks = num_blocks, attach = attach, kept = kept, reserved = reserved, cap = cap,
-          need = math.min(need, available), applied = applied + done, done = done}
+  return {epoch = epoch, num_blocks = num_blocks, attach = attach, kept = reserved + reserve_delta - #p.returned,
+          reserved = reserved, applied = applied + done, done = done}
 end)
 if not ok then return plan end
 
@@ -400,10 +395,16 @@ if #p.returned > 0 then
   call_chunked('HDEL', K_RESERVE, fields)
   call_chunked('RPUSH', K_FREE, fields)
 end
+-- The refill, sized after the journal and the returns are written (the blocks they freed
+-- count as available).
+local available = available_now(plan.num_blocks)
+local cap = p.cap
+if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
+local need = math.min(available, math.max(0, math.max(math.min(p.want, cap), p.need) - plan.kept))
 local granted = {}
-if plan.need > 0 then
+if need > 0 then
   local moved = {}
-  granted = take_blocks(plan.need, plan.num_blocks, dups, moved, stats)
+  granted = take_blocks(need, plan.num_blocks, dups, moved, stats)
   for _, m in ipairs(moved) do
     local s = D[m[2]] or dec(m[2])
     redis.call('HSET', K_H2B, m[1], s)
@@ -425,5 +426,5 @@ end
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = plan.applied, granted = granted,
-                                    num_reserved = plan.kept + #granted, cap = plan.cap,
+                                    num_reserved = plan.kept + #granted, cap = cap,
                                     first_sequence_number = first_seq, num_sequence_numbers = num_seqs}))
