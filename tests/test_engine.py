@@ -183,3 +183,36 @@ def test_demo_json_prints_the_seven_figures():
     assert report["tokens"] == 8 * (6 * 1 + 2 * 4)       # requests 3 and 7 take four samples
     assert report["peak_blocks"] > 0 and report["prefix_hit_tokens"] > 0 and report["cow_copies"] > 0
     assert 0 < report["kv_utilization"] <= 1 and 0 < report["sharing_saving"] < 1
+
+
+def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_same_outputs(stack):
+    """Redis loses the writes of a few steps (its keys put back as they were, in one
+    transaction): the SDK resyncs, the sequences it cannot keep are reported lost, and the
+    engine recomputes their requests as after a preemption; the outputs do not change."""
+    import redis as redis_py
+    from test_resync import dump, restore
+
+    rng = random.Random(6)
+    requests = [Request(_prompt(rng, n), max_new_tokens=48, request_id=f"r{n}") for n in (9, 21, 30)]
+    requests.append(Request(_prompt(rng, 17), max_new_tokens=48, n=2, temperature=0.9, seed=3, request_id="s"))
+    with Engine(stack.target) as engine:
+        reference = engine.run(requests)
+    r = redis_py.Redis.from_url(stack.redis.url)
+    saved: dict = {}
+
+    def roll_back(p) -> None:
+        if p.step == 4:
+            engine.client.flush()
+            saved.update(dump(r))
+        elif p.step == 36:
+            engine.client.flush()          # acknowledged: then lost
+            restore(r, saved)
+
+    engine = Engine(stack.target, progress=roll_back)
+    with engine:
+        report = engine.run(requests)
+        assert engine.client.resync_count >= 1
+    r.close()
+    assert reference.preemptions == 0
+    assert report.failed == 0 and report.preemptions >= 1      # the lost ones, recomputed
+    assert [c.outputs for c in report.completions] == [c.outputs for c in reference.completions]

@@ -60,13 +60,27 @@ def check_holdings(redis_url: str, pool: str, clients: list[Client]) -> None:
                 (s.block_table, s.num_tokens, s._committed), f"sequence {s.id}"
 
 
-def _restore(r: redis.Redis, dumped: dict[bytes, tuple[bytes, int]]) -> None:
-    """Puts every key back as dumped (and drops the others): Redis lost the writes since."""
-    for key in r.keys("*"):
-        if key not in dumped:
-            r.delete(key)
-    for key, (value, ttl) in dumped.items():
-        r.restore(key, max(ttl, 0), value, replace=True)
+def dump(r: redis.Redis) -> dict[bytes, tuple[bytes, int]]:
+    """Every key, as DUMP gives it, with its time to live (one transaction)."""
+    keys = r.keys("*")
+    with r.pipeline(transaction=True) as pipe:
+        for key in keys:
+            pipe.dump(key)
+            pipe.pttl(key)
+        got = pipe.execute()
+    return {k: (got[2 * i], got[2 * i + 1]) for i, k in enumerate(keys)}
+
+
+def restore(r: redis.Redis, dumped: dict[bytes, tuple[bytes, int]]) -> None:
+    """Puts every key back as dumped and drops the others, in one transaction (no script
+    runs in between): Redis lost the writes since."""
+    extra = [k for k in r.keys("*") if k not in dumped]
+    with r.pipeline(transaction=True) as pipe:
+        if extra:
+            pipe.delete(*extra)
+        for key, (value, ttl) in dumped.items():
+            pipe.restore(key, max(ttl, 0), value, replace=True)
+        pipe.execute()
 
 
 def _work(rng: random.Random, client: Client, seqs: list, steps: int, shared: list[int]) -> None:
@@ -107,7 +121,7 @@ def test_a_rolled_back_pool_is_resynced_and_lost_sequences_are_reported(served, 
         # all acknowledged; `quiet` only grows inside its last block (a length, no block).
         quiet = a.create(shared + [5, 6], pool="p0")
         a.flush()
-        dumped = {k: (r.dump(k), r.pttl(k)) for k in r.keys("*")}
+        dumped = dump(r)
         quiet.append([6] * (BS - 1 - quiet.num_tokens % BS))
         touched = [s for s in sa if not s.freed]
         _work(rng, a, touched, 6, shared)
@@ -115,7 +129,7 @@ def test_a_rolled_back_pool_is_resynced_and_lost_sequences_are_reported(served, 
         _work(rng, b, sb, 3, shared)
         a.flush(), b.flush()
         acked = a._journals["p0"].applied
-        _restore(r, dumped)
+        restore(r, dumped)
         assert int(r.hget("kvs:{p0}:journal", a.lease_id).split()[0]) < acked
         # Another tenant takes blocks first: among them, blocks that a's lost creates held.
         c = Client(served.target, tenant="t3", local=True)

@@ -284,6 +284,8 @@ class Engine:
         per worker."""
         r = self.report
         r.steps += 1
+        if self.local:
+            self._recompute_lost()
         appends: dict[Sequence, list[int]] = {}
         forks: dict[Sequence, list[list[int]]] = {}
         for job in self._running:
@@ -444,10 +446,27 @@ class Engine:
                    and not any(b.state in (PREFILL, FOLLOW) for b in j.branches)]
         if not victims:
             return
-        job = max(victims, key=lambda j: j.admitted)
+        self._requeue(max(victims, key=lambda j: j.admitted))
+
+    def _recompute_lost(self) -> None:
+        """Requests whose sequences the allocator lost (it lost writes and could not prove,
+        when the SDK resynchronised, that their blocks were still ours): recomputed from
+        their tokens so far, as after a preemption."""
+        lost = {s.id for s in self.client.lost_sequences()}
+        if not lost:
+            return
+        for job in [j for j in self._running if any(b.seq is not None and b.seq.id in lost for b in j.branches)]:
+            self._requeue(job)
+        self._to_free = [s for s in self._to_free if s.id not in lost]
+        self._live = {sid: s for sid, s in self._live.items() if sid not in lost}
+
+    def _requeue(self, job: _Job) -> None:
+        """Frees (next step) a running request's sequences and puts it first in line, to
+        be recomputed from its tokens so far."""
         for b in job.branches:
             if b.seq is not None:
-                self._to_free.append(b.seq)
+                if not b.seq.freed:
+                    self._to_free.append(b.seq)
                 b.seq = None
             if b.state != DONE:
                 b.state = WAIT
