@@ -349,16 +349,11 @@ class Engine:
         no RPC, so that a refused create cannot take their copy pairs and children with it.
         Then the creates, the step's only synchronous call.
 
-        NOTE: a growth refused right after frees is tried once more: the Sync that refused
-        it applied the frees, but sized its refill from the pool as it was before them.
-        With several pools each create is a call of its own, so that a refusal never splits
-        a call between pools: the SDK does not journal the sequences that a partially
-        refused create call made in the other pools (their next change fails).
+        With several pools each create is a call of its own, so that one pool's refusal
+        never holds back the creates that another pool could serve.
         """
         self._change({}, {}, frees, [])
         result, _, shortage = self._change(appends, forks, [], [])
-        if shortage is not None and frees:
-            result, _, shortage = self._change(appends, forks, [], [])
         created: list[Sequence | None] = []
         for batch in ([creates] if len(self._stubs) == 1 else [[c] for c in creates]):
             made, got, refused = self._change({}, {}, [], batch)
