@@ -1,0 +1,803 @@
+"""A Hypothesis state machine for the SDK's local mode (``Client(local=True)``, DESIGN §5):
+local growth, copy-on-write, commits, forks and frees reach the allocator through the
+journal; flushes, resends after lost replies, reserve refills and a lease expiry happen at
+random points; after a ``flush()`` the clients' view, the model and the audit agree.
+
+What runs: one allocator server (real gRPC, Lua in the embedded Redis of ``redis_url``,
+reaper every 0.05 s) with one test interceptor, ``Faults``, outside the error interceptor:
+it can drop the reply of a call after its handler ran (the client's retry policy resends
+it), or refuse every call of one lease before its handler (a partition). Every example
+FLUSHALLs Redis, registers a pool of ``NUM_BLOCKS`` blocks of ``BS`` tokens with small
+reserve caps (4 blocks, 2 under pressure), and opens three local-mode clients: ``main``
+(tenant a, the default 5 ms flusher), ``peer`` (tenant a, a flusher that only wakes for a
+refill: its journal moves with explicit flushes, creates and refills) and ``other``
+(tenant b). Once per example at most, a short-lease client is cut off until it expires.
+
+Rules: create (prompts from three token families, or a live sequence's tokens plus a few,
+so that prefixes are shared within and across leases), append (1-9 tokens, across
+blocks), fork (a child with or without tokens), free, and ``Client.step`` mixing those
+over several sequences of one client with creates; ``flush()`` of every client and the
+checks below; one ``_sync_once()`` at a random point (what the flusher sends); a lost
+reply (``Faults`` drops the next one or two replies of a client's Sync or Step after they
+were applied: the retry policy resends them under the same request id); a Sync whose
+every attempt's reply is lost (the flush fails with UNAVAILABLE; the next Sync must make
+up for it); the same for a create; a short-lease expiry (``SHORT_TTL``: creates, local
+growth and a fork, then a partition; after the reaper took the lease, the next change --
+a local append inside a block included -- raises LeaseExpired and changes nothing).
+
+The model is deliberately smaller than the allocator's (``test_state_machine.py`` models
+that one exactly). It keeps, per live sequence, its owner, tenant, tokens and table of
+*abstract* blocks: growth and copy-on-write make new abstract blocks, fork shares them,
+a prefix hit shares the hit block. Each abstract block is bound to the physical id that
+the client's handle shows when it first appears; the binding must stay one-to-one over
+every live table of every client, so comparing it with the handles checks exactly which
+blocks are shared with which (a fresh block is never one that any live sequence of any
+lease holds; a partial block is shared only between a parent and the children it forked
+since it last wrote), and every full block's content hash must agree among its holders.
+
+What is predicted exactly: block counts, copy-on-write (a write into a partial last
+block that another live table of the lease holds copies it; the last holder writes in
+place), the copy pairs, committed blocks and last hash (the chain hash of the model's
+tokens), cached tokens of forks. What is only bounded, because it depends on when the
+background flushers ran (a commit or a free not applied yet) and on eviction: prefix hits
+at create (a multiple of ``BS``, never covering the last token, at most the leading run of
+blocks whose hash some client committed in this example, and each hit block, when a live
+sequence holds it, holding the same content) and RESOURCE_EXHAUSTED (``needed`` >
+``available``, never for a step that needs no block, and nothing changed in any handle).
+
+Checked after every rule: the binding (the handles against the model). After each
+``flush()`` rule, the short lease's expiry and at the end of each example, with every
+client flushed and no Sync in flight: per live sequence, the allocator's view
+(``client.get``: table, length, committed blocks, last hash, cached tokens, lease) equals
+the handle's and the model's; ``helpers.audit`` is clean; used + free + evictable +
+reserved == ``NUM_BLOCKS``, used == the distinct blocks of the live tables, reserved ==
+the sum of the clients' ``reserved_blocks()``, each lease's holdings in the audit
+(sequences, reserve) match its client, and no journal gap or resync happened (Redis
+loses nothing here). After closing every client: all blocks free or
+evictable, no sequence, no reserve.
+
+Known bugs (open when this was written; the rules that find them stay in, so this test
+fails until they are fixed; ``SM_LOCAL_AVOID=create-in-mixed-step,lost-create-past-retries``
+steers around them to explore for others):
+
+- create-in-mixed-step: in local mode, a step with appends, forks or frees and creates
+  whose create is refused with RESOURCE_EXHAUSTED raises, but its appends, forks and
+  frees were applied and journaled: handles changed, the copy pairs and the children are
+  lost (the children stay on the allocator under no handle).
+- lost-create-past-retries: a create whose every attempt's reply is lost raises
+  UNAVAILABLE and leaves the sequence on the allocator with no handle (an orphan that
+  holds its blocks until the lease ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import event as _event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvservice import errors
+from kvservice.allocator.core import Allocator
+from kvservice.allocator.server import SERVICE_NAME, reaper
+from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
+from kvservice.allocator.store import Store, connect
+from kvservice.client import Client
+from kvservice.common import hashing
+from kvservice.common.grpc import build_server
+from kvservice.common.interceptor import ErrorInterceptor
+from kvservice.v1 import allocator_pb2 as pb
+from kvservice.v1 import allocator_pb2_grpc as pb_grpc
+
+from helpers import TEST_SETTINGS, ServerThread, audit
+
+BS = 4
+NUM_BLOCKS = 32
+MAX_SEQS = 12            # live sequences, so that every check stays cheap
+FAMILY = 1000            # token ids of family f at position i: f * FAMILY + i
+TTL = 60.0               # the normal clients' leases (they never expire here)
+SHORT_TTL = 0.5
+RETRY_BUDGET = 0.1       # the retry policy's backoffs: 2.5, 7.5, 22, 67 ms
+ATTEMPTS = 5             # gRPC's cap on attempts: this many lost replies exhaust the policy
+#: reserve cap: int(0.125 * 32) = 4 blocks; 2 while free + evictable < int(0.25 * 32) = 8
+SETTINGS = TEST_SETTINGS.replace(reserve_share=0.125, reserve_min_blocks=2, reserve_pressure_share=0.25)
+#: Known bugs to steer around while exploring for others (comma-separated; see the module
+#: docstring): "lost-create-past-retries", "create-in-mixed-step". Empty by default.
+AVOID = set(os.environ.get("SM_LOCAL_AVOID", "").split(",")) - {""}
+CLIENTS = {"main": ("a", 0.005), "peer": ("a", 3600.0), "other": ("b", 0.005)}   # tenant, flush_interval
+
+
+# ---------------------------------------------------------------------------- the server
+
+class Faults(grpc.aio.ServerInterceptor):
+    """Test faults around the allocator's handlers, per lease: ``drop(method, lease, n)``
+    lets the next ``n`` calls of ``method`` run and then answers UNAVAILABLE instead of
+    their replies; ``partition(lease)`` refuses every call of the lease (UNAVAILABLE)
+    before its handler until ``heal(lease)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._drops: dict[tuple[str, str], int] = {}
+        self._cut: set[str] = set()
+        self.dropped = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self._drops.clear()
+            self._cut.clear()
+
+    def drop(self, method: str, lease: str, n: int) -> None:
+        with self._lock:
+            self._drops[(method, lease)] = n
+
+    def pending_drops(self, method: str, lease: str) -> int:
+        with self._lock:
+            return self._drops.get((method, lease), 0)
+
+    def partition(self, lease: str) -> None:
+        with self._lock:
+            self._cut.add(lease)
+
+    def heal(self, lease: str) -> None:
+        with self._lock:
+            self._cut.discard(lease)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        inner = handler.unary_unary
+        message = getattr(pb, f"{method}Request", None)   # (the error interceptor decodes the bytes)
+
+        async def faulty(request, context):
+            lease = _lease_of(message, request)
+            with self._lock:
+                cut = lease in self._cut
+            if cut:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "partitioned (test)")
+            reply = await inner(request, context)
+            with self._lock:
+                n = self._drops.get((method, lease), 0)
+                if n:
+                    self._drops[(method, lease)] = n - 1
+                    self.dropped += 1
+            if n:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost (test)")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(faulty, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+def _lease_of(message, request) -> str:
+    """The lease id of a request (raw bytes, or a decoded message), or ''."""
+    if isinstance(request, bytes) and message is not None:
+        try:
+            request = message.FromString(request)
+        except Exception:  # noqa: BLE001 - undecodable: the error interceptor answers it
+            return ""
+    return getattr(request, "lease_id", "")
+
+
+class FaultyServer(ServerThread):
+    """``ServerThread`` (reaper on) with ``Faults`` outside the error interceptor."""
+
+    def __init__(self, redis_url: str) -> None:
+        super().__init__(redis_url, SETTINGS)
+        self.faults = Faults()
+
+    async def serve(self) -> None:
+        self.store = Store(connect(self.redis_url))
+        self.allocator = Allocator(self.store, self.settings)
+        self.server, self.port, _ = await build_server(
+            "127.0.0.1:0", [(pb_grpc.add_AllocatorServicer_to_server, AllocatorServicer(self.allocator))],
+            [SERVICE_NAME], interceptors=[self.faults, ErrorInterceptor(outcome_to_pb)])
+        await self.server.start()
+        self._sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval))
+
+
+# ---------------------------------------------------------------------------- the model
+
+_roots: dict[str, bytes] = {}
+
+
+def chain(tenant: str, tokens: list[int]) -> list[bytes]:
+    """The chain hashes of every full block of ``tokens`` (tenant salt, no extra key)."""
+    if tenant not in _roots:
+        _roots[tenant] = hashing.root_hash(tenant)
+    return hashing.chain_hashes(_roots[tenant], tokens, BS, len(tokens) // BS)
+
+
+def last_hash(tenant: str, tokens: list[int]) -> bytes:
+    hs = chain(tenant, tokens)
+    return hs[-1] if hs else hashing.root_hash(tenant)
+
+
+def num_blocks(num_tokens: int) -> int:
+    return -(-num_tokens // BS)
+
+
+@dataclass
+class MSeq:
+    owner: str
+    tenant: str
+    family: int
+    tokens: list[int]
+    table: list[int]               # abstract block ids
+    cached: int                    # num_cached_tokens
+
+
+@dataclass
+class Model:
+    seqs: dict[str, MSeq] = field(default_factory=dict)
+    content: dict[int, bytes] = field(default_factory=dict)   # abstract full block -> its chain hash
+    known: set[bytes] = field(default_factory=set)            # hashes some client committed
+    next_block: int = 0
+
+    def new_block(self) -> int:
+        self.next_block += 1
+        return self.next_block
+
+    def holders(self, block: int) -> int:
+        return sum(s.table.count(block) for s in self.seqs.values())
+
+    def fill(self, s: MSeq, start: int) -> None:
+        """Records the content of the blocks of ``s`` that are full, from block ``start``."""
+        for i, h in enumerate(chain(s.tenant, s.tokens)[start:], start):
+            assert self.content.setdefault(s.table[i], h) == h, "two contents in one block"
+            self.known.add(h)
+
+    def append(self, sid: str, tokens: list[int]) -> list[tuple[int, int]]:
+        """The SDK's local append: copy-on-write of a shared partial last block (the
+        last holder writes in place), growth one block at a time, commits of full blocks."""
+        s = self.seqs[sid]
+        copies = []
+        t0 = len(s.tokens)
+        if t0 % BS and self.holders(s.table[-1]) > 1:
+            dst = self.new_block()
+            copies.append((s.table[-1], dst))
+            s.table[-1] = dst
+        s.tokens += tokens
+        s.table += [self.new_block() for _ in range(num_blocks(len(s.tokens)) - len(s.table))]
+        self.fill(s, t0 // BS)
+        return copies
+
+    def fork(self, sid: str, child: str, tokens: list[int]) -> list[tuple[int, int]]:
+        s = self.seqs[sid]
+        self.seqs[child] = MSeq(s.owner, s.tenant, s.family, list(s.tokens), list(s.table), s.cached)
+        return self.append(child, tokens) if tokens else []
+
+    def step(self, appends: dict[str, list[int]], forks: dict[str, list[list[int]]], frees: list[str],
+             children: dict[str, list[str]]) -> list[tuple[int, int]]:
+        """A local step in the SDK's order: frees, then each fork (each child's tokens
+        right after it), then the appends; returns the copy pairs (abstract blocks)."""
+        copies = []
+        for sid in frees:
+            del self.seqs[sid]
+        for sid, kids in forks.items():
+            for child, tokens in zip(children[sid], kids):
+                copies += self.fork(sid, child, tokens)
+        for sid, tokens in appends.items():
+            copies += self.append(sid, tokens)
+        return copies
+
+    def new_blocks(self, appends, forks, frees) -> int:
+        """Blocks the step takes from the reserve (a dry run)."""
+        m = copy.deepcopy(self)
+        m.step(appends, forks, frees, {sid: [f"{sid}+{i}" for i in range(len(k))] for sid, k in forks.items()})
+        return m.next_block - self.next_block
+
+    def create(self, sid: str, owner: str, tenant: str, family: int, tokens: list[int], handle,
+               bound: dict[int, int]) -> str:
+        """Adds a created sequence; checks its prefix hits against what is known; returns
+        a coverage note."""
+        hits, rest = divmod(handle.num_cached_tokens, BS)
+        assert rest == 0 and hits <= (len(tokens) - 1) // BS, handle.num_cached_tokens
+        hs = chain(tenant, tokens)
+        run = 0
+        while run < len(hs) and hs[run] in self.known:
+            run += 1
+        assert hits <= run, f"{hits} blocks hit where only {run} leading blocks were ever committed"
+        note = ""
+        table = []
+        for i in range(len(handle.block_table)):
+            block = bound.get(handle.block_table[i]) if i < hits else None
+            if block is None:
+                block = self.new_block()
+                if i < hits:
+                    note = note or "prefix hit on a block no live sequence holds"
+            else:
+                assert self.content.get(block) == hs[i], f"hit block {handle.block_table[i]} holds other content"
+                holder = next(x for x in self.seqs.values() if block in x.table)
+                note = "prefix hit on another lease's block" if holder.owner != owner else (
+                    note or "prefix hit on a live block")
+            table.append(block)
+        self.seqs[sid] = MSeq(owner, tenant, family, list(tokens), table, handle.num_cached_tokens)
+        self.fill(self.seqs[sid], 0)
+        return note
+
+
+# ---------------------------------------------------------------------------- strategies
+
+prompts = st.tuples(st.integers(0, 2), st.integers(1, 18),
+                    st.one_of(st.just([]), st.lists(st.integers(0, 2), min_size=1, max_size=2)))
+growth = st.one_of(st.tuples(st.just("nat"), st.integers(1, 3)), st.tuples(st.just("nat"), st.integers(4, 9)),
+                   st.tuples(st.just("rnd"), st.lists(st.integers(0, 2), min_size=1, max_size=6)))
+child_tokens = st.one_of(st.just(None), growth)
+indices = st.integers(0, 63)          # mapped onto the live sequences (modulo)
+STEP_KINDS = ["append", "free", "skip", "fork", "append+fork"]
+LAST_CHANGES = ["append one", "append across", "fork", "free", "create"]   # refused after an expiry
+
+
+def make_prompt(p: tuple[int, int, list[int]]) -> tuple[int, list[int]]:
+    family, n, tail = p
+    return family, [family * FAMILY + i for i in range(n)] + list(tail)
+
+
+def make_tokens(s: MSeq, g: tuple | None) -> list[int]:
+    """Tokens to append: the family's natural continuation (shared hashes) or small ids."""
+    if g is None:
+        return []
+    if g[0] == "nat":
+        return [s.family * FAMILY + len(s.tokens) + i for i in range(g[1])]
+    return list(g[1])
+
+
+def event(name: str) -> None:
+    """A Hypothesis event, also counted in ``LocalMachine.coverage`` (printed with -s)."""
+    LocalMachine.coverage[name] += 1
+    _event(name)
+
+
+def checked(fn):
+    """Marks the machine busy while a rule runs: teardown checks only after a clean step."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        self.busy = True
+        fn(self, *args, **kwargs)
+        self.busy = False
+    return run
+
+
+# ---------------------------------------------------------------------------- the machine
+
+class LocalMachine(RuleBasedStateMachine):
+    redis_url = ""
+    server: FaultyServer
+    redis: redis.Redis
+    examples = 0
+    steps = 0
+    coverage: Counter = Counter()
+
+    def __init__(self) -> None:
+        super().__init__()
+        cls = type(self)
+        cls.examples += 1
+        self.busy = True
+        self.faults = self.server.faults
+        self.faults.reset()
+        self.redis.flushall()
+        self.pool = f"sml{cls.examples}"
+        self.model = Model()
+        self.handles = {}
+        self.bound: dict[int, int] = {}        # abstract block -> physical block
+        self.clients: dict[str, Client] = {}
+        self.tenants: dict[str, str] = {}
+        self.short_leases = 0
+        for key, (tenant, interval) in CLIENTS.items():
+            self._open(key, tenant, flush_interval=interval)
+        self.clients["main"].register_pool(self.pool, num_blocks=NUM_BLOCKS, block_size=BS)
+        self.busy = False
+
+    def _open(self, key: str, tenant: str, *, ttl: float = TTL, flush_interval: float = 0.005,
+              timeout: float = 10.0) -> Client:
+        c = Client(self.server.target, tenant=tenant, lease_ttl=ttl, local=True, flush_interval=flush_interval,
+                   retry_budget=RETRY_BUDGET, timeout=timeout)
+        self.clients[key] = c
+        self.tenants[key] = tenant
+        return c
+
+    def teardown(self) -> None:
+        clean = not self.busy
+        try:
+            if clean:
+                self.settle()
+        finally:
+            for key, c in self.clients.items():
+                self.faults.heal(c.lease_id)
+                try:
+                    c.close()
+                except errors.KvsError:
+                    pass
+        if clean:                          # every lease revoked: every block free or evictable
+            stats = _pool_stats(self.server.target, self.pool)
+            assert (stats.num_used_blocks, stats.num_reserved_blocks, stats.num_sequences) == (0, 0, 0), stats
+            assert stats.num_free_blocks + stats.num_evictable_blocks == NUM_BLOCKS
+            assert audit(self.redis_url) == []
+
+    # -- helpers
+
+    def live(self, owner: str | None = None) -> list[str]:
+        return sorted(sid for sid, s in self.model.seqs.items() if owner is None or s.owner == owner)
+
+    def room(self) -> bool:
+        return len(self.model.seqs) < MAX_SEQS
+
+    def states(self, owner: str) -> dict[str, tuple]:
+        return {sid: (h.block_table, h.num_tokens, h.freed) for sid, h in self.handles.items()
+                if self.model.seqs[sid].owner == owner}
+
+    def bind(self) -> dict[int, int]:
+        """Binds new abstract blocks to the handles' physical blocks; the binding must be
+        one-to-one over every live table. Returns physical -> abstract."""
+        m = self.model
+        phys_to_block: dict[int, int] = {}
+        bound = {}
+        for sid, s in m.seqs.items():
+            h = self.handles[sid]
+            table = h.block_table
+            assert not h.freed, sid
+            assert h.num_tokens == len(s.tokens), (sid, h.num_tokens, len(s.tokens))
+            assert len(table) == len(s.table) == num_blocks(len(s.tokens)), (sid, table, s.table)
+            for block, phys in zip(s.table, table):
+                assert 0 <= phys < NUM_BLOCKS
+                if bound.setdefault(block, self.bound.get(block, phys)) != phys:
+                    raise AssertionError(f"{sid}: the model's block {block} is physical {bound[block]}, "
+                                         f"the handle has {phys} ({table})")
+                if phys_to_block.setdefault(phys, block) != block:
+                    raise AssertionError(f"physical block {phys} is in two places that the model keeps apart "
+                                         f"({sid}: {table}, model {s.table})")
+        self.bound = bound
+        return phys_to_block
+
+    def call(self, owner: str, how: str, *, appends=None, forks=None, frees=(), creates=()) -> bool:
+        """One SDK call of client ``owner`` and the model beside it; False when refused
+        with RESOURCE_EXHAUSTED (then nothing changed)."""
+        appends, forks, frees, creates = dict(appends or {}), dict(forks or {}), list(frees), list(creates)
+        c, h, m = self.clients[owner], self.handles, self.model
+        before = self.states(owner)
+        need = m.new_blocks(appends, forks, frees)
+        result, children, created = None, {}, []
+        rpcs = c.rpc_count
+        try:
+            if how == "create":
+                created = [c.create(creates[0][1], pool=self.pool)]
+            elif how == "append":
+                (sid, tokens), = appends.items()
+                result = h[sid].append(tokens)
+            elif how == "fork":
+                (sid, (tokens,)), = forks.items()
+                children = {sid: [h[sid].fork(tokens)]}
+            elif how == "free":
+                h[frees[0]].free()
+            else:
+                result = c.step({h[s]: t for s, t in appends.items()},
+                                forks={h[s]: k for s, k in forks.items()},
+                                frees=[h[s] for s in frees],
+                                creates=[(t, self.pool, b"") for _, t in creates])
+        except errors.ResourceExhausted as e:
+            assert e.pool_id == self.pool, e.pool_id
+            assert e.needed > e.available, (e.needed, e.available, e.message)
+            assert need > 0 or creates, f"refused a step that needs no block: {e.message}"
+            assert self.states(owner) == before, f"a refused {how} changed the handles"
+            event(f"resource exhausted ({'create' if creates else 'reserve'})")
+            return False
+        if result is not None:
+            children, created = result.children, result.created
+        for sid in frees:
+            assert h.pop(sid).freed
+        for sid, kids in children.items():
+            for k in kids:
+                h[k.id] = k
+        copies = m.step(appends, forks, frees, {sid: [k.id for k in kids] for sid, kids in children.items()})
+        phys_to_block = self.bind()
+        if result is not None:
+            assert [(p.pool, p.src, p.dst) for p in result.copies] == [
+                (self.pool, self.bound[a], self.bound[b]) for a, b in copies]
+        for k in (k for kids in children.values() for k in kids):
+            assert k.num_cached_tokens == m.seqs[k.id].cached
+        for (family, tokens), seq in zip(creates, created):
+            assert seq.num_tokens == len(tokens)
+            h[seq.id] = seq
+            note = m.create(seq.id, owner, self.tenants[owner], family, tokens, seq, phys_to_block)
+            phys_to_block = self.bind()
+            if note:
+                event(note)
+        assert len(created) == len(creates)
+        if copies:
+            event("copy-on-write")
+        if not creates and c.rpc_count > rpcs:
+            event("step refilled the reserve synchronously")
+        if how == "step" and len(frees) + len(forks) + len(appends) + len(creates) > 2:
+            event("step with >2 items")
+        return True
+
+    def settle(self) -> None:
+        """Flushes every client, then, with no Sync in flight, checks that the allocator,
+        the clients and the model agree."""
+        for c in self.clients.values():
+            c.flush()
+        locks = [c._sync_lock for c in self.clients.values()]
+        for lock in locks:
+            lock.acquire()
+        try:
+            self.check_agreement()
+        finally:
+            for lock in locks:
+                lock.release()
+
+    def check_agreement(self) -> None:
+        m, main = self.model, self.clients["main"]
+        assert audit(self.redis_url) == []
+        used = len({p for sid in m.seqs for p in self.handles[sid].block_table})
+        reserved = {key: c.reserved_blocks() for key, c in self.clients.items()}
+        stats = main.pool_stats(self.pool)
+        assert stats.num_used_blocks + stats.num_free_blocks + stats.num_evictable_blocks + \
+            stats.num_reserved_blocks == NUM_BLOCKS, stats
+        assert (stats.num_used_blocks, stats.num_sequences) == (used, len(m.seqs)), stats
+        assert stats.num_reserved_blocks == sum(reserved.values()), (stats.num_reserved_blocks, reserved)
+        # Redis never loses a write here: no batch ever starts after a gap, no client resyncs.
+        assert (stats.journal_gaps, stats.journal_resyncs) == (0, 0), stats
+        assert [c.resync_count for c in self.clients.values()] == [0] * len(self.clients)
+        if any(j.cap == SETTINGS.reserve_min_blocks for c in self.clients.values() for j in c._journals.values()):
+            event("reserve cap lowered under pressure")
+        holdings = {x.lease_id: x for x in main.audit(self.pool).leases}
+        for key, c in self.clients.items():
+            mine = len(self.live(key))
+            x = holdings.get(c.lease_id)
+            got = (x.num_sequences, x.num_reserved_blocks) if x is not None else (0, 0)
+            assert got == (mine, reserved[key]), (key, got, mine, reserved[key])
+        for sid, s in m.seqs.items():
+            h = self.handles[sid]
+            view = main.get(sid)
+            assert (list(view.block_table), view.num_tokens) == (h.block_table, h.num_tokens), sid
+            assert view.num_committed_blocks == len(s.tokens) // BS, sid
+            assert view.last_hash == last_hash(s.tenant, s.tokens), sid
+            assert view.num_cached_tokens == h.num_cached_tokens == s.cached, sid
+            assert view.lease_id == self.clients[s.owner].lease_id, sid
+        event("agreement checked")
+
+    # -- rules
+    #
+    # NOTE: what a rule draws never depends on the state (no state in a precondition or a
+    # strategy): the state depends on when the flushers ran (a RESOURCE_EXHAUSTED or not),
+    # and Hypothesis refuses a test whose draws differ between runs of one example. Rules
+    # draw indices and map them onto the live sequences; a rule with nothing to act on
+    # does nothing.
+
+    def pick(self, index: int, items: list[str]) -> str | None:
+        return items[index % len(items)] if items else None
+
+    def draw_prompt(self, data) -> tuple[int, list[int]]:
+        """A fresh prompt, or a live sequence's tokens plus a few (hits on blocks
+        committed locally, flushed or not)."""
+        extend, index, g, p = data.draw(st.tuples(st.booleans(), indices, growth, prompts))
+        sid = self.pick(index, self.live())
+        if extend and sid is not None:
+            s = self.model.seqs[sid]
+            return s.family, s.tokens + make_tokens(s, g)
+        return make_prompt(p)
+
+    @rule(owner=st.sampled_from(sorted(CLIENTS)), data=st.data())
+    @checked
+    def create(self, owner, data):
+        prompt = self.draw_prompt(data)
+        if self.room():
+            self.call(owner, "create", creates=[prompt])
+
+    @rule(index=indices, g=growth)
+    @checked
+    def append(self, index, g):
+        sid = self.pick(index, self.live())
+        if sid is not None:
+            s = self.model.seqs[sid]
+            self.call(s.owner, "append", appends={sid: make_tokens(s, g)})
+
+    @rule(index=indices, g=child_tokens)
+    @checked
+    def fork(self, index, g):
+        sid = self.pick(index, self.live())
+        if sid is not None and self.room():
+            s = self.model.seqs[sid]
+            self.call(s.owner, "fork", forks={sid: [make_tokens(s, g)]})
+
+    @rule(index=indices)
+    @checked
+    def free(self, index):
+        sid = self.pick(index, self.live())
+        if sid is not None:
+            self.call(self.model.seqs[sid].owner, "free", frees=[sid])
+
+    @rule(first=indices, items=st.lists(st.tuples(indices, st.sampled_from(STEP_KINDS), st.integers(1, 2),
+                                                    growth, child_tokens, child_tokens), max_size=3),
+          ncreates=st.integers(0, 2), data=st.data())
+    @checked
+    def step(self, first, items, ncreates, data):
+        """Several sequences of one client in one call: appends, forks (children with and
+        without tokens), frees and creates."""
+        prompts_ = [self.draw_prompt(data) for _ in range(ncreates)]
+        sid = self.pick(first, self.live())
+        if sid is None:
+            return
+        owner = self.model.seqs[sid].owner
+        mine = self.live(owner)
+        appends, forks, frees = {}, {}, []
+        budget = MAX_SEQS - len(self.model.seqs)
+        picked = sid
+        for k, (index, kind, n, g, c1, c2) in enumerate(items or [(0, "append", 1, ("nat", 1), None, None)]):
+            sid = picked if k == 0 else self.pick(index, mine)
+            if sid in appends or sid in forks or sid in frees:
+                continue
+            s = self.model.seqs[sid]
+            if kind in ("fork", "append+fork") and budget <= 0:
+                kind = "append"
+            if kind == "free":
+                frees.append(sid)
+            if kind in ("fork", "append+fork"):
+                n = min(n, budget)
+                budget -= n
+                forks[sid] = [make_tokens(s, c) for c in (c1, c2)[:n]]
+            if kind in ("append", "append+fork"):
+                appends[sid] = make_tokens(s, g)
+        creates = prompts_[:max(budget, 0)]
+        if "create-in-mixed-step" in AVOID and (appends or forks or frees):
+            creates = []
+        self.call(owner, "step", appends=appends, forks=forks, frees=frees, creates=creates)
+
+    @rule()
+    @checked
+    def flush(self):
+        """``flush()`` on every client: then everything agrees."""
+        self.settle()
+
+    @rule(owner=st.sampled_from(sorted(CLIENTS)))
+    @checked
+    def background_sync(self, owner):
+        """One Sync at a random point, as the flusher sends them (entries, refill, return)."""
+        self.clients[owner]._sync_once()
+        event("explicit background sync")
+
+    @rule(owner=st.sampled_from(sorted(CLIENTS)), lost=st.sampled_from([1, 2, ATTEMPTS]), create=st.booleans(),
+          data=st.data())
+    @checked
+    def lost_reply(self, owner, lost, create, data):
+        """The next ``lost`` replies of one client's Sync (a flush) or Step (a create) are
+        lost after the allocator applied the call. One or two: the retry policy resends
+        it under the same request id and it is applied once. ``ATTEMPTS``: every
+        attempt's reply is lost, the call fails with UNAVAILABLE (or goes through, when
+        the flusher's own Sync took some of the losses), and nothing the lost reply said
+        may be lost: a Sync's grants and returns are made up for by the next Sync
+        (DESIGN §5: a lost reply is a resend); a create must not leave an orphan behind
+        (issue 12, item 4; fails today, see the module docstring)."""
+        c = self.clients[owner]
+        prompt = self.draw_prompt(data)
+        if lost == ATTEMPTS and "lost-create-past-retries" in AVOID:
+            create = False
+        method = "Step" if create and self.room() else "Sync"
+        self.faults.drop(method, c.lease_id, lost)
+        try:
+            if method == "Step":
+                if not self.call(owner, "create", creates=[prompt]):
+                    self.faults.drop("Step", c.lease_id, 0)     # refused: no reply to lose
+                    return
+            else:
+                c.flush()
+        except errors.Unavailable:
+            assert lost == ATTEMPTS
+            event(f"{method} reply lost past the retry policy")
+        else:
+            assert self.faults.pending_drops(method, c.lease_id) == 0 or lost == ATTEMPTS
+            event(f"{method} reply lost {lost}x, resent" if lost < ATTEMPTS else
+                  f"{method} went through despite {lost} lost replies")
+        self.faults.drop(method, c.lease_id, 0)
+        self.settle()
+
+    @precondition(lambda self: self.short_leases < 1)
+    @rule(ps=st.lists(prompts, min_size=1, max_size=2), g=growth, flushed=st.booleans(), late=st.booleans(),
+          last=st.integers(0, len(LAST_CHANGES) - 1))
+    @checked
+    def short_lease_expires(self, ps, g, flushed, late, last):
+        """A short-lease client (``SHORT_TTL``) cut off from the allocator: its flusher's
+        keep-alives fail, its own fence refuses the next change (a local append included)
+        with LeaseExpired once the TTL may have passed, and the reaper frees its blocks."""
+        self.short_leases += 1
+        last = LAST_CHANGES[last]
+        c = self._open("short", "a", ttl=SHORT_TTL, timeout=1.0)
+        try:
+            for p in ps:
+                if self.room():
+                    self.call("short", "create", creates=[make_prompt(p)])
+            mine = self.live("short")
+            if mine:
+                s = self.model.seqs[mine[0]]
+                self.call("short", "append", appends={mine[0]: make_tokens(s, g)})
+            if mine and self.room():
+                self.call("short", "fork", forks={mine[0]: [[]]})
+            if flushed:
+                c.flush()
+            self.faults.partition(c.lease_id)
+            cut = time.monotonic()
+            mine = self.live("short")
+            if late and mine:                  # a local change that never reaches the allocator
+                s = self.model.seqs[mine[-1]]
+                before = self.states("short")
+                try:
+                    self.call("short", "append", appends={mine[-1]: make_tokens(s, g)})
+                except errors.Unavailable:     # it needed a refill, and the allocator is out of reach
+                    assert self.states("short") == before, "a failed append changed the handles"
+                    event("short lease: an append that needed a refill failed (partitioned)")
+            time.sleep(max(0.0, cut + SHORT_TTL - time.monotonic()))   # past the client's fence
+            while any(x.lease_id == c.lease_id for x in self.clients["main"].audit(self.pool).leases):
+                assert time.monotonic() < cut + 10, "the reaper did not free the cut-off lease in 10 s"
+                time.sleep(0.02)
+            event(f"short lease gone from the pool after {time.monotonic() - cut:.1f} s")
+            mine = self.live("short")
+            before = self.states("short")
+            with pytest.raises(errors.LeaseExpired):
+                if last == "create" or not mine:
+                    c.create(make_prompt(ps[0])[1], pool=self.pool)
+                else:
+                    h = self.handles[mine[0]]
+                    if last == "fork":
+                        h.fork()
+                    elif last == "free":
+                        h.free()
+                    else:
+                        n = 1 if last == "append one" else BS + 1
+                        h.append([7] * n)
+            assert self.states("short") == before, "a refused change changed the handles"
+            event(f"short lease: {last} refused")
+        finally:
+            self.faults.heal(c.lease_id)
+            del self.clients["short"]
+            for sid in self.live("short"):
+                del self.model.seqs[sid]
+                self.handles.pop(sid)
+            try:
+                c.close()
+            except errors.KvsError:
+                pass
+        self.bind()
+        self.settle()           # the reaper took back its sequences and its reserve
+
+    # -- the checks
+
+    @invariant()
+    def handles_agree_with_the_model(self):
+        type(self).steps += 1
+        busy, self.busy = self.busy, True
+        self.bind()
+        self.busy = busy
+
+
+def _pool_stats(target: str, pool: str):
+    with Client(target, tenant="checker", lease_ttl=TTL, keepalive=False) as c:
+        return c.pool_stats(pool)
+
+
+# Passing: well under a minute. Failing: Hypothesis shrinks for up to 5 minutes more.
+@pytest.mark.timeout(600)
+def test_local_mode_state_machine(redis_url):
+    with FaultyServer(redis_url) as server, redis.Redis.from_url(redis_url) as r:
+        LocalMachine.redis_url = redis_url
+        LocalMachine.server = server
+        LocalMachine.redis = r
+        started = time.monotonic()
+        run_state_machine_as_test(LocalMachine, settings=settings(
+            max_examples=35, stateful_step_count=30, deadline=None, report_multiple_bugs=False,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+    print(f"\nlocal state machine: {LocalMachine.examples} examples, {LocalMachine.steps} steps in "
+          f"{time.monotonic() - started:.1f} s; "
+          f"coverage: {dict(sorted(LocalMachine.coverage.items()))}")
