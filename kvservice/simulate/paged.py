@@ -309,17 +309,15 @@ class PagedMemory:
         """Applies this step's frees, forks and appends (local, once per step), then flushes;
         returns the blocks in the lease's reserve.
 
-        Three calls, so that the SDK sizes each one's reserve need exactly: the frees first,
-        flushed (what they release serves the growth; a Sync sizes its refill from the pool
-        as it was before its own journal), then the forks (each child copies the shared
-        partial block it writes), then the appends (a fork's parent, the last writer, keeps
-        its block).
+        Three calls, so that the SDK sizes each one's reserve need exactly: the frees first
+        (what they release serves the growth: a refill applies the journal before it takes
+        blocks, but the SDK sizes a step's need before applying the step's own frees), then
+        the forks (each child copies the shared partial block it writes), then the appends
+        (a fork's parent, the last writer, keeps its block).
         """
         if not self._settled:
             self._settled = True
-            if self._frees:
-                self.client.step(frees=self._frees)
-                self.client.flush()
+            self.client.step(frees=self._frees)
             res = self.client.step(forks=self._forks)
             self.client.step(self._appends)
             self._children = res.children
