@@ -202,6 +202,10 @@ class Client:
         self._lost: list[Sequence] = []         # (local) lost in resyncs, not yet taken
         self._resyncing = False                 # (local) a pool must resync first
         self._unanswered: tuple[pb.SyncRequest, list[PoolJournal]] | None = None   # (local) to send again
+        #: Creates whose reply never came: sent again (same request id) until answered,
+        #: then their sequences freed: the caller was told they failed.
+        self._doubtful: list[pb.StepRequest] = []
+        self._doubt_lock = threading.Lock()
         self.resync_count = 0
         self._lock = threading.RLock()
         self._sync_lock = threading.Lock()
@@ -249,7 +253,11 @@ class Client:
             kvservice.errors.ResourceExhausted: a pool ran short of blocks; nothing in that
                 pool changed (other pools of the step did: their copy-on-write pairs,
                 children and created sequences are in the exception's ``result``, a
-                ``StepResult``; ``partial`` is the raw response).
+                ``StepResult``; ``partial`` is the raw response). In local mode the
+                creates are made first and the frees applied next, whatever becomes of
+                the rest (the blocks they release serve the step): a refused create
+                changes nothing else; appends and forks refused after them leave the
+                created sequences in ``result``.
             kvservice.errors.KvsError: any other refusal, with the same guarantee.
         """
         if appends is None:
@@ -268,6 +276,8 @@ class Client:
     def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list) -> StepResult:
         """A step whose ownership changes go to the allocator in one Step RPC."""
         self._check_alive()
+        if self._doubtful and not self.local and self._keeper is None:
+            self._settle()       # (no keep-alive thread to do it)
         # Plan without building anything for the (many) sequences that stay local: this
         # loop runs over every sequence of every decode step (see docs/benchmark.md). It
         # also checks the appends; nothing is changed until the whole step is planned.
@@ -325,6 +335,10 @@ class Client:
             response = self._call(self.stub.Step, request)
             failed: set[str] = set()
         except errors.KvsError as exc:
+            if isinstance(exc, (errors.Unavailable, errors.DeadlineExceeded)) and request.creates \
+                    and not request.updates:
+                with self._doubt_lock:     # made or not: settled later (no orphan either way)
+                    self._doubtful.append(request)
             if exc.partial is None:
                 raise
             response = exc.partial
@@ -386,11 +400,19 @@ class Client:
 
     def _step_local(self, appends: dict, forks: dict, frees: list, creates: list) -> StepResult:
         """A step whose ownership changes are local: no RPC unless it creates sequences
-        (the prefix lookup is global) or a pool's reserve cannot cover it."""
+        (the prefix lookup is global) or a pool's reserve cannot cover it. The creates are
+        made first: refused, nothing of the step changed; if the local part is refused
+        after them (a reserve that cannot be refilled), the created sequences are in the
+        exception's ``result``."""
         self._check_alive()
         if self._resyncing:
             self._sync_once()        # (no change until the pools agree again)
         result = StepResult()
+        created = None
+        if creates:
+            if appends or forks or frees:
+                self._check_local(appends, forks, frees)     # bad input: refused before any create
+            created = self._create_local(creates)
         # The decode step's common case first: tokens that stay inside a private partial
         # block change the sequence alone (as in an in-process block manager); the rest
         # ("slow": a block fills or is needed, a shared block is written) go through the
@@ -401,36 +423,49 @@ class Client:
         else:
             with self._lock:
                 slow = self._append_fast(appends) if appends else {}
-        if not (slow or forks or frees or creates):
-            return result
-        try:
-            self._step_journaled(slow, forks, frees, result)
-        except BaseException:
-            if slow is not appends:
-                with self._lock:
-                    self._undo_fast(appends, slow)
-            raise
-        if creates:
-            # The prefix lookup needs no pending change applied first (a pending commit can
-            # only make it miss, a pending free only leave a block referenced a little
-            # longer); the pool's capacity may: then flush and try once more.
+        if slow or forks or frees:
             try:
-                try:
-                    created = self._step_remote({}, {}, [], creates)
-                except errors.ResourceExhausted as exc:
-                    if exc.result is not None or not any(j.pending for j in self._journals.values()):
-                        raise
-                    self.flush()
-                    created = self._step_remote({}, {}, [], creates)
-            except errors.KvsError as exc:
-                if exc.result is not None:      # the pools that did create: their sequences are ours
-                    self._adopt(exc.result.created)
+                self._step_journaled(slow, forks, frees, result)
+            except BaseException as exc:
+                if slow is not appends:
+                    with self._lock:
+                        self._undo_fast(appends, slow)
+                if created is not None and isinstance(exc, errors.KvsError):
+                    exc.result = StepResult(copies=list(created.copies), created=created.created, rpc=True)
                 raise
-            self._adopt(created.created)
+        if created is not None:
             result.created = created.created
             result.copies.extend(created.copies)
             result.rpc = True
         return result
+
+    def _create_local(self, creates: list) -> StepResult:
+        """The step's creates, in one call; the new sequences join the local state. The
+        prefix lookup needs no pending change applied first (a pending commit can only make
+        it miss, a pending free only leave a block referenced a little longer); the pool's
+        capacity may: refused, the lease gives its reserve back in the refusing pool (a
+        create cannot take reserved blocks), the journal is flushed and the call made once
+        more."""
+        try:
+            try:
+                created = self._step_remote({}, {}, [], creates)
+            except errors.ResourceExhausted as exc:
+                with self._lock:
+                    pj = self._journals.get(exc.pool_id)
+                    if pj is not None and pj.reserve:
+                        pj.returning.extend(pj.reserve)
+                        pj.reserve = []
+                        pj.starved_until = time.monotonic() + pj.STARVED_BACKOFF   # (no refill at once)
+                    if exc.result is not None or not any(j.pending or j.returning for j in self._journals.values()):
+                        raise
+                self.flush()
+                created = self._step_remote({}, {}, [], creates)
+        except errors.KvsError as exc:
+            if exc.result is not None:      # the pools that did create: their sequences are ours
+                self._adopt(exc.result.created)
+            raise
+        self._adopt(created.created)
+        return created
 
     def _adopt(self, created: list["Sequence"]) -> None:
         """New sequences join the local state (their pools' journals)."""
@@ -468,9 +503,9 @@ class Client:
                 del s._tail[-len(tokens):]
                 s._num_tokens -= len(tokens)
 
-    def _step_journaled(self, appends: dict, forks: dict, frees: list, result: StepResult) -> None:
-        """The step's frees, forks and appends that change ownership: checked, covered by
-        the reserves (a synchronous Sync when they are not), then applied and journaled."""
+    def _check_local(self, appends: dict, forks: dict, frees: list) -> None:
+        """Refuses a local step's bad input (another client's sequence, a freed one, a
+        token that is not an int) before anything changes."""
         for s, tokens in appends.items():
             if s.__class__ is not Sequence and not isinstance(s, Sequence) or s.client is not self:
                 raise ValueError(f"{s!r} is not a sequence of this client")
@@ -482,23 +517,41 @@ class Client:
         for s in (*forks, *frees):
             if s.freed:
                 raise _freed(s)
+
+    def _step_journaled(self, appends: dict, forks: dict, frees: list, result: StepResult) -> None:
+        """The step's frees, forks and appends that change ownership: checked, covered by
+        the reserves (a synchronous Sync when they are not), then applied and journaled."""
+        self._check_local(appends, forks, frees)
+        if frees:
+            # First, and whatever becomes of the rest: the blocks they release serve the
+            # step (partial ones back in the reserve; the others once the Sync that covers
+            # the step has applied the frees).
+            with self._lock:
+                for s in frees:
+                    self._free_local(s)
         self._ensure_reserves(appends, forks)
-        with self._lock:
-            for s in frees:
-                self._free_local(s)
-            for s, children in forks.items():
-                kids = result.children.setdefault(s.id, [])
-                for tokens in children:
-                    child = self._fork_local(s)
-                    kids.append(child)
-                    if tokens:
-                        self._append_local(child, list(tokens), result)
-            for s, tokens in appends.items():
-                if tokens:
-                    self._append_local(s, tokens, result)
+        try:
+            with self._lock:
+                self._apply_local(appends, forks, result)
+        finally:
+            for pj in self._journals.values():
+                pj.floor = 0
         # Send now: the step is done, and an engine is about to wait for its forward pass
         # (a Sync sent then does not compete with the next step for the interpreter).
         self._wake.set()
+
+    def _apply_local(self, appends: dict, forks: dict, result: StepResult) -> None:
+        """The step's forks and appends, covered by the reserves (under the lock)."""
+        for s, children in forks.items():
+            kids = result.children.setdefault(s.id, [])
+            for tokens in children:
+                child = self._fork_local(s)
+                kids.append(child)
+                if tokens:
+                    self._append_local(child, list(tokens), result)
+        for s, tokens in appends.items():
+            if tokens:
+                self._append_local(s, tokens, result)
 
     def _journal(self, s: "Sequence") -> PoolJournal:
         pj = self._journals.get(s.pool)
@@ -524,6 +577,7 @@ class Client:
                         need.setdefault(s.pool, [0, 0])[0] += self._blocks_for(s, len(tokens), s in forks)
                 for pool, (blocks, numbers) in need.items():
                     pj = self._journals[pool]
+                    pj.floor = blocks       # (the flusher returns no block the step counts on)
                     if len(pj.reserve) < blocks or len(pj.numbers) < numbers:
                         short[pool] = (blocks, numbers)
             return short
@@ -604,7 +658,10 @@ class Client:
 
     def flush(self) -> None:
         """A barrier: returns once the allocator has applied every local change made so
-        far (and the lease was kept alive)."""
+        far (and the lease was kept alive), and the creates whose reply was lost are
+        settled (their sequences freed) if the allocator can be reached."""
+        if self._doubtful:
+            self._settle()
         if not self.local:
             return
         with self._lock:
@@ -741,14 +798,16 @@ class Client:
             self._wake.clear()
             if self._stop.is_set() or self.lease_error is not None:
                 return
+            now = time.monotonic()
             with self._lock:
                 busy = self._unanswered is not None or any(
-                    j.pending or j.returning or j.resyncing or j.low() or (j.cap and len(j.reserve) > j.cap)
-                    for j in self._journals.values())
-            now = time.monotonic()
+                    j.pending or j.returning or j.resyncing or (j.low() and now >= j.starved_until)
+                    or (j.cap and len(j.reserve) > j.cap) for j in self._journals.values())
             if busy or now - last >= keepalive_every:
                 self._sync_once(background=True)
                 last = now
+            if self._doubtful:
+                self._settle()
 
     def reserved_blocks(self) -> int:
         """Blocks this client holds in reserve, over all pools (its own view)."""
@@ -803,16 +862,17 @@ class Client:
         The channel's retry policy resends it on UNAVAILABLE, to any replica that is up,
         for ``retry_budget`` seconds (``kvservice.channel``). What that policy cannot do
         is done here: a call that ran out of its deadline (a replica that hangs, stopped
-        or cut off, rather than one that is down: gRPC's deadline covers all attempts) is
-        sent again, unchanged, up to ``retries`` times, if its ``request_id`` makes a
-        second delivery harmless; round_robin sends it to the next replica.
+        or cut off, rather than one that is down: gRPC's deadline covers all attempts), or
+        that a replica cancelled as it shut down, is sent again, unchanged, up to
+        ``retries`` times, if its ``request_id`` makes a second delivery harmless;
+        round_robin sends it to the next replica.
         """
         self.rpc_count += 1
         for attempt in range(retries + 1):
             try:
                 return method(request, timeout=self.timeout)
             except grpc.RpcError as exc:
-                if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and attempt < retries
+                if (exc.code() in _RESENT and attempt < retries
                         and getattr(request, "request_id", None)):
                     continue
                 raise to_domain_error(exc) from None
@@ -839,6 +899,39 @@ class Client:
                 continue
             self._alive_until = max(self._alive_until, sent_at + _fence(ttl))
             wait = interval
+            if self._doubtful:
+                self._settle()
+
+    def _settle(self) -> None:
+        """Creates whose reply was lost past the retry policy: each is sent again under its
+        request id (the allocator answers a repeat with its first outcome, or makes it now)
+        and the sequences it made are freed, so that none is left behind unknown to us."""
+        with self._doubt_lock:
+            doubtful, self._doubtful = self._doubtful, []
+        keep = []
+        for request in doubtful:
+            try:
+                reply = self.stub.Step(request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                err = to_domain_error(exc)
+                if isinstance(err, (errors.Unavailable, errors.DeadlineExceeded)):
+                    keep.append(request)
+                elif err.partial is not None:
+                    self._free_made(err.partial.created)
+                continue
+            self._free_made(reply.created)
+        if keep:
+            with self._doubt_lock:
+                self._doubtful[:0] = keep
+
+    def _free_made(self, created: Iterable[pb.Sequence]) -> None:
+        ids = [c.sequence_id for c in created if c.sequence_id]
+        if ids:
+            try:
+                self.stub.FreeSequences(pb.FreeSequencesRequest(lease_id=self.lease_id, request_id=_request_id(),
+                                                                sequence_ids=ids), timeout=self.timeout)
+            except grpc.RpcError:
+                pass     # (the lease's end frees them)
 
     def close(self, *, revoke: bool = True) -> None:
         """Stops the keep-alive and, with ``revoke``, frees every sequence of this client."""
@@ -907,6 +1000,10 @@ def _int(text: str | None) -> int:
         return int(text or 0)
     except ValueError:
         return 0
+
+
+#: Failures ``Client._call`` sends again (beside the channel policy's UNAVAILABLE).
+_RESENT = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 def _freed(s: Sequence) -> errors.KvsError | ValueError:

@@ -43,6 +43,9 @@ class PoolJournal:
     #: Blocks sent in one Sync at most (the allocator's max_blocks_per_call, by default).
     MAX_BLOCKS = 65536
     LAGS = 100_000
+    #: After a refill that got nothing (the pool is full), or a reserve given back for a
+    #: create, no refill for this long (a step that needs blocks still asks at once).
+    STARVED_BACKOFF = 0.1
 
     def __init__(self, pool_id: str, epoch: int, block_size: int) -> None:
         self.pool_id = pool_id
@@ -69,6 +72,9 @@ class PoolJournal:
         self.first_pending = 1
         self.applied = 0
         self.cap = 0
+        #: Blocks a step in progress counts on (beyond the cap: not surplus until it is done).
+        self.floor = 0
+        self.starved_until = 0.0
         self.returning: list[int] = []
         #: When each pending entry was logged (monotonic), and the lags of acknowledged
         #: entries (logged -> applied, seconds; the most recent LAGS of them).
@@ -188,11 +194,13 @@ class PoolJournal:
         the fields of a ``pb.PoolSync``, its journal as the fields of a
         ``pb.JournalEntries``: cheap to take under the client's lock (list slices), built
         into the message outside it."""
-        surplus = len(self.reserve) - self.cap if self.cap and len(self.reserve) > self.cap else 0
+        keep = max(self.cap, self.floor)
+        surplus = len(self.reserve) - keep if self.cap and len(self.reserve) > keep else 0
         if surplus > 0:
             self.returning.extend(self.reserve[:surplus])
             del self.reserve[:surplus]
-        return {"pool_id": self.pool_id, "epoch": self.epoch, "want_blocks": self.target(),
+        want = self.target() if time.monotonic() >= self.starved_until else 0
+        return {"pool_id": self.pool_id, "epoch": self.epoch, "want_blocks": want,
                 "returned_blocks": list(self.returning), "first_entry": self.first_pending,
                 "journal": self.entries(self._batch()),
                 "want_sequence_numbers": self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0}
@@ -212,6 +220,8 @@ class PoolJournal:
         self.returning = []
         self.reserve.extend(reply.granted_blocks)
         self.cap = reply.reserve_cap
+        if not reply.granted_blocks and self.low():
+            self.starved_until = time.monotonic() + self.STARVED_BACKOFF
         first = reply.first_sequence_number
         self.numbers.extend(range(first, first + reply.num_sequence_numbers))
 

@@ -170,3 +170,56 @@ def test_a_create_refused_in_one_pool_keeps_the_sequences_made_in_another(server
         c.flush()
         assert stats(server.redis_url, "big")["num_sequences"] == 0
     assert audit(server.redis_url) == []
+
+
+def test_one_step_that_frees_and_grows_uses_the_blocks_it_frees(server):
+    with Client(server.target, tenant="t1", local=True) as c:
+        c.register_pool("p0", num_blocks=8, block_size=16)
+        a = c.create(list(range(48)), pool="p0")            # 3 full blocks
+        b = c.create(list(range(100, 116)), pool="p0")      # 1 full block
+        c.flush()                                           # the reserve holds the other 4
+        assert stats(server.redis_url, "p0")["num_free_blocks"] == 0
+        c.step({b: list(range(200, 280))}, frees=[a])       # 5 new blocks: the reserve's 4 and one of a's
+        assert a.freed and len(b.block_table) == 6
+        _agree(c, [b])
+    assert audit(server.redis_url) == []
+
+
+def test_a_create_gets_the_blocks_of_the_lease_reserve(server):
+    """A create cannot take reserved blocks: refused, the lease gives its reserve back in
+    that pool and tries once more."""
+    with Client(server.target, tenant="t1", local=True) as c:
+        c.register_pool("p0", num_blocks=10, block_size=BS)
+        c.create([1, 2], pool="p0").free()               # the lease's first sequence in the pool
+        c.flush()
+        assert c.reserved_blocks() == 4 and stats(server.redis_url, "p0")["num_used_blocks"] == 0
+        seq = c.create(list(range(7 * BS)), pool="p0")       # 7 blocks of 10, 4 of them reserved
+        assert len(seq.block_table) == 7
+        seq.append([1])                                      # the reserve comes back for growth
+        _agree(c, [seq])
+    assert audit(server.redis_url) == []
+
+
+def test_blocks_a_step_fetched_beyond_the_cap_are_not_returned_before_it_takes_them(server):
+    """The flusher returns a reserve's surplus above the cap, but never the blocks that a
+    step in progress fetched for itself (frequent thread switches widen the window)."""
+    import sys
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with Client(server.target, tenant="t1", local=True, flush_interval=0.0005) as c:
+            c.register_pool("p0", num_blocks=2048, block_size=BS)     # cap: 5% of it
+            cap = 0
+            for rnd in range(12):
+                seqs = c.step(creates=[(list(range(1000 * rnd + 10 * i, 1000 * rnd + 10 * i + BS)), "p0",
+                                        b"%d" % i) for i in range(120)]).created
+                cap = c._journals["p0"].cap
+                c.step({s: [7] for s in seqs})                        # 120 blocks, beyond the cap
+                assert all(len(s.block_table) == 2 for s in seqs)
+                c.step(frees=seqs)
+                c.flush()
+            assert 0 < cap < 120
+    finally:
+        sys.setswitchinterval(switch)
+    assert audit(server.redis_url) == []
