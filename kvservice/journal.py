@@ -72,6 +72,7 @@ class PoolJournal:
         self.first_pending = 1
         self.applied = 0
         self.cap = 0
+        self.sent_returns: set[int] = set()    # the returns of the Sync in flight
         #: Blocks a step in progress counts on (beyond the cap: not surplus until it is done).
         self.floor = 0
         self.starved_until = 0.0
@@ -200,6 +201,7 @@ class PoolJournal:
             self.returning.extend(self.reserve[:surplus])
             del self.reserve[:surplus]
         want = self.target() if time.monotonic() >= self.starved_until else 0
+        self.sent_returns = set(self.returning)
         return {"pool_id": self.pool_id, "epoch": self.epoch, "want_blocks": want,
                 "returned_blocks": list(self.returning), "first_entry": self.first_pending,
                 "journal": self.entries(self._batch()),
@@ -217,7 +219,9 @@ class PoolJournal:
             self.cap = reply.reserve_cap
             return
         self.acknowledge(reply.applied_entries)
-        self.returning = []
+        # (blocks set aside to return after the request was built go with the next one)
+        self.returning = [b for b in self.returning if b not in self.sent_returns]
+        self.sent_returns = set()
         self.reserve.extend(reply.granted_blocks)
         self.cap = reply.reserve_cap
         if not reply.granted_blocks and self.low():

@@ -36,9 +36,10 @@ def _lease(stub, ttl: float = 60.0, tenant: str = "t1") -> str:
     return stub.GrantLease(pb.GrantLeaseRequest(tenant=tenant, ttl_seconds=ttl)).lease_id
 
 
-def _sync(stub, lease: str, want: int = 0, returned=(), request_id: str = "", epoch: int = 1) -> pb.SyncResponse:
+def _sync(stub, lease: str, want: int = 0, returned=(), request_id: str = "", epoch: int = 1,
+          need: int = 0) -> pb.SyncResponse:
     return stub.Sync(pb.SyncRequest(lease_id=lease, request_id=request_id, pools=[
-        pb.PoolSync(pool_id="p0", epoch=epoch, want_blocks=want, returned_blocks=list(returned))]))
+        pb.PoolSync(pool_id="p0", epoch=epoch, want_blocks=want, returned_blocks=list(returned), need_blocks=need)]))
 
 
 def _reason(exc: grpc.RpcError) -> str:
@@ -140,7 +141,7 @@ def test_sync_keeps_the_lease_alive(served):
     assert audit(server.redis_url) == []
 
 
-def test_a_refill_evicts_cached_blocks_when_nothing_else_is_free(any_redis_url):
+def test_a_refill_keeps_the_prefix_cache_and_a_step_that_needs_blocks_evicts(any_redis_url):
     settings = TEST_SETTINGS.replace(reserve_share=1.0, reserve_min_blocks=2, reserve_pressure_share=0.0)
     with ServerThread(any_redis_url, settings) as server, grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.AllocatorStub(channel)
@@ -149,7 +150,9 @@ def test_a_refill_evicts_cached_blocks_when_nothing_else_is_free(any_redis_url):
         seq = stub.CreateSequence(pb.CreateSequenceRequest(lease_id=lease, pool_id="p0", token_ids=list(range(32))))
         stub.FreeSequences(pb.FreeSequencesRequest(lease_id=lease, sequence_ids=[seq.sequence_id]))
         assert stats(server.redis_url, "p0")["num_evictable_blocks"] == 8
-        grant = _sync(stub, lease, want=3).pools[0]
+        grant = _sync(stub, lease, want=3).pools[0]      # a refill: free blocks only, there are none
+        assert not grant.granted_blocks and stats(server.redis_url, "p0").get("evictions", 0) == 0
+        grant = _sync(stub, lease, need=3).pools[0]      # a step's need: evicts, LRU first
         st = stats(server.redis_url, "p0")
         assert (len(grant.granted_blocks), st["num_evictable_blocks"], st["evictions"]) == (3, 5, 3)
         assert len(snapshot(server.redis_url, "p0")["h2b"]) == 5

@@ -455,7 +455,8 @@ class LocalMachine(RuleBasedStateMachine):
 
     def call(self, owner: str, how: str, *, appends=None, forks=None, frees=(), creates=()) -> bool:
         """One SDK call of client ``owner`` and the model beside it; False when refused
-        with RESOURCE_EXHAUSTED (then nothing changed)."""
+        with RESOURCE_EXHAUSTED (then nothing changed but what the SDK applies first: the
+        creates, then the frees)."""
         appends, forks, frees, creates = dict(appends or {}), dict(forks or {}), list(frees), list(creates)
         c, h, m = self.clients[owner], self.handles, self.model
         before = self.states(owner)
@@ -482,8 +483,26 @@ class LocalMachine(RuleBasedStateMachine):
             assert e.pool_id == self.pool, e.pool_id
             assert e.needed > e.available, (e.needed, e.available, e.message)
             assert need > 0 or creates, f"refused a step that needs no block: {e.message}"
-            assert self.states(owner) == before, f"a refused {how} changed the handles"
-            event(f"resource exhausted ({'create' if creates else 'reserve'})")
+            # The SDK makes a step's creates first (refused: nothing changed), then applies
+            # its frees whatever becomes of the rest; appends and forks refused after them
+            # change nothing, the created sequences are in the exception's result.
+            made = list(e.result.created) if e.result is not None else []
+            gone = [sid for sid in frees if h[sid].freed]
+            assert not (made or gone) or creates or frees
+            assert len(gone) in (0, len(frees)), "some of a refused step's frees were applied"
+            if gone:
+                for sid in gone:
+                    h.pop(sid)
+                m.step({}, {}, gone, {})
+            phys_to_block = self.bind()
+            for (family, tokens), seq in zip(creates, made):
+                h[seq.id] = seq
+                m.create(seq.id, owner, self.tenants[owner], family, tokens, seq, phys_to_block)
+                phys_to_block = self.bind()
+            after = {sid: v for sid, v in self.states(owner).items() if sid not in {x.id for x in made}}
+            assert after == {sid: v for sid, v in before.items() if sid not in gone}, \
+                f"a refused {how} changed the handles"
+            event(f"resource exhausted ({'create' if creates and not made else 'reserve'})")
             return False
         if result is not None:
             children, created = result.children, result.created

@@ -396,11 +396,15 @@ if #p.returned > 0 then
   call_chunked('RPUSH', K_FREE, fields)
 end
 -- The refill, sized after the journal and the returns are written (the blocks they freed
--- count as available).
+-- count as available). A refill towards the reserve's size takes free blocks only (it
+-- does not evict the prefix cache for blocks no step needs yet); what a step needs at
+-- once (p.need) may evict.
 local available = available_now(plan.num_blocks)
 local cap = p.cap
 if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
-local need = math.min(available, math.max(0, math.max(math.min(p.want, cap), p.need) - plan.kept))
+local unused = redis.call('LLEN', K_FREE) + plan.num_blocks - (tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0)
+local need = math.max(math.min(unused, math.max(0, math.min(p.want, cap) - plan.kept)),
+                      math.min(available, math.max(0, p.need - plan.kept)))
 local granted = {}
 if need > 0 then
   local moved = {}
