@@ -224,7 +224,8 @@ class PoolJournal:
         self.sent_returns = set()
         self.reserve.extend(reply.granted_blocks)
         self.cap = reply.reserve_cap
-        if not reply.granted_blocks and self.low():
+        if not reply.granted_blocks and self.low() and reply.num_reserved_blocks < reply.reserve_cap:
+            # (below the cap in the pool's own count too, and nothing granted: no free block)
             self.starved_until = time.monotonic() + self.STARVED_BACKOFF
         first = reply.first_sequence_number
         self.numbers.extend(range(first, first + reply.num_sequence_numbers))
