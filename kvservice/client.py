@@ -201,6 +201,7 @@ class Client:
         self._live: set[Sequence] = set()      # (local) the sequences not freed
         self._lost: list[Sequence] = []         # (local) lost in resyncs, not yet taken
         self._resyncing = False                 # (local) a pool must resync first
+        self._sent_at = 0.0                     # (local) when the last Sync went out
         self._unanswered: tuple[pb.SyncRequest, list[PoolJournal]] | None = None   # (local) to send again
         #: Creates whose reply never came: sent again (same request id) until answered,
         #: then their sequences freed: the caller was told they failed.
@@ -536,9 +537,11 @@ class Client:
         finally:
             for pj in self._journals.values():
                 pj.floor = 0
-        # Send now: the step is done, and an engine is about to wait for its forward pass
-        # (a Sync sent then does not compete with the next step for the interpreter).
-        self._wake.set()
+        # Send now, unless a Sync went out less than flush_interval ago: the step is done,
+        # and an engine is about to wait for its forward pass (a Sync sent then does not
+        # compete with the next step for the interpreter).
+        if time.monotonic() - self._sent_at >= self.flush_interval:
+            self._wake.set()
 
     def _apply_local(self, appends: dict, forks: dict, result: StepResult) -> None:
         """The step's forks and appends, covered by the reserves (under the lock)."""
@@ -718,7 +721,7 @@ class Client:
         an applied Sync with its first outcome, so blocks it granted are not lost and
         blocks being returned are never used again meanwhile."""
         self._unanswered = (request, journals)
-        sent_at = time.monotonic()
+        sent_at = self._sent_at = time.monotonic()
         try:
             if background:
                 self.sync_count += 1
