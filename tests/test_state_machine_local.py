@@ -93,6 +93,7 @@ from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
 from helpers import TEST_SETTINGS, ServerThread, audit
+from test_state_machine import make_prompt
 
 BS = 4
 NUM_BLOCKS = 32
@@ -330,11 +331,6 @@ child_tokens = st.one_of(st.just(None), growth)
 indices = st.integers(0, 63)          # mapped onto the live sequences (modulo)
 STEP_KINDS = ["append", "free", "skip", "fork", "append+fork"]
 LAST_CHANGES = ["append one", "append across", "fork", "free", "create"]   # refused after an expiry
-
-
-def make_prompt(p: tuple[int, int, list[int]]) -> tuple[int, list[int]]:
-    family, n, tail = p
-    return family, [family * FAMILY + i for i in range(n)] + list(tail)
 
 
 def make_tokens(s: MSeq, g: tuple | None) -> list[int]:

@@ -44,10 +44,7 @@
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
--- The keep-alive's side in this pool first, whatever becomes of the rest (lease_touch).
-if p.touch_deadline_ms > 0 and redis.call('ZSCORE', K_LEASES, p.lease_id) then
-  redis.call('ZADD', K_LEASES, 'GT', p.touch_deadline_ms, p.lease_id)
-end
+touch_lease(p)
 local prev = replay(K_REQUEST, p)
 if prev then return prev end
 local lease = p.lease_id

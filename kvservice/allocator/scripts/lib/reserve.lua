@@ -45,3 +45,11 @@ local function check_sync_target(p)
   local attach = lease_in_pool(p.pool, p.lease_id, p.lease_deadline_ms, now_ms(), true)
   return epoch, num_blocks, bs, attach
 end
+
+-- The keep-alive's side of a Sync in this pool (as lease_touch), first, whatever becomes
+-- of the rest: the lease's deadline raised to p.touch_deadline_ms where the pool knows it.
+local function touch_lease(p)
+  if p.touch_deadline_ms > 0 and redis.call('ZSCORE', K_LEASES, p.lease_id) then
+    redis.call('ZADD', K_LEASES, 'GT', p.touch_deadline_ms, p.lease_id)
+  end
+end
