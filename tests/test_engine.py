@@ -193,8 +193,10 @@ def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_s
     from test_resync import dump, restore
 
     rng = random.Random(6)
-    requests = [Request(_prompt(rng, n), max_new_tokens=48, request_id=f"r{n}") for n in (9, 21, 30)]
-    requests.append(Request(_prompt(rng, 17), max_new_tokens=48, n=2, temperature=0.9, seed=3, request_id="s"))
+    # 40 steps of 5 samples between the dump and the rollback: ~12 blocks grown, in two
+    # pools whose reserves hold 4 each, so some grown blocks were granted after the dump.
+    requests = [Request(_prompt(rng, n), max_new_tokens=64, request_id=f"r{n}") for n in (9, 21, 30)]
+    requests.append(Request(_prompt(rng, 17), max_new_tokens=64, n=2, temperature=0.9, seed=3, request_id="s"))
     with Engine(stack.target) as engine:
         reference = engine.run(requests)
     r = redis_py.Redis.from_url(stack.redis.url)
@@ -204,7 +206,7 @@ def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_s
         if p.step == 4:
             engine.client.flush()
             saved.update(dump(r))
-        elif p.step == 36:
+        elif p.step == 44:
             engine.client.flush()          # acknowledged: then lost
             restore(r, saved)
 

@@ -300,10 +300,17 @@ class Engine:
         frees = list(self._to_free)
         before = {s: s.num_tokens for s in appends}
         prompts = [(tokens, "", b"") for _, _, tokens in creates]
-        if self.local:
-            result, created, shortage = self._change_locally(appends, forks, frees, prompts)
-        else:
-            result, created, shortage = self._change(appends, forks, frees, prompts)
+        try:
+            if self.local:
+                result, created, shortage = self._change_locally(appends, forks, frees, prompts)
+            else:
+                result, created, shortage = self._change(appends, forks, frees, prompts)
+        except errors.SequenceLost:
+            # A resync in the background lost sequences of this step (the SDK changed
+            # nothing of the call that named them): recompute them, plan the step again.
+            self._to_free = [s for s in self._to_free if not s.freed]
+            self._recompute_lost()
+            return
         self._to_free = [s for s in self._to_free if not s.freed]
         for (job, b, tokens), seq in zip(creates, created):
             if seq is None:
