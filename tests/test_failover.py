@@ -20,16 +20,10 @@ import pytest
 import redis
 
 from kvservice import errors
-from kvservice.allocator.core import Allocator
 from kvservice.allocator.server import SERVICE_NAME
-from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
-from kvservice.allocator.store import Store, connect
 from kvservice.channel import channel_target, parse_targets, service_config
 from kvservice.client import Client
-from kvservice.common.grpc import build_server
-from kvservice.common.interceptor import ErrorInterceptor
 from kvservice.tools.launcher import AllocatorProcess
-from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
 from helpers import TEST_SETTINGS, ServerThread, audit, stats
 
@@ -304,20 +298,11 @@ class DropReply(grpc.aio.ServerInterceptor):
 
 
 class DroppingServer(ServerThread):
-    """An allocator server with ``DropReply`` outside its error interceptor."""
+    """An allocator server with ``DropReply`` outside its error interceptor (no reaper)."""
 
     def __init__(self, redis_url: str, dropper: DropReply) -> None:
-        super().__init__(redis_url, TEST_SETTINGS.replace(reserve_min_blocks=4))
+        super().__init__(redis_url, TEST_SETTINGS.replace(reserve_min_blocks=4), reap=False, interceptors=(dropper,))
         self.dropper = dropper
-
-    async def serve(self) -> None:
-        self.store = Store(connect(self.redis_url))
-        self.allocator = Allocator(self.store, self.settings)
-        self.server, self.port, _ = await build_server(
-            "127.0.0.1:0", [(pb_grpc.add_AllocatorServicer_to_server, AllocatorServicer(self.allocator))],
-            [SERVICE_NAME], interceptors=[self.dropper, ErrorInterceptor(outcome_to_pb)])
-        await self.server.start()
-        self._sweeper = None
 
 
 def _run_steps(c: Client) -> list:

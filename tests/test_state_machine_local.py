@@ -64,7 +64,6 @@ frees what it made).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import threading
@@ -81,16 +80,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvservice import errors
-from kvservice.allocator.core import Allocator
-from kvservice.allocator.server import SERVICE_NAME, reaper
-from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
-from kvservice.allocator.store import Store, connect
 from kvservice.client import Client
 from kvservice.common import hashing
-from kvservice.common.grpc import build_server
-from kvservice.common.interceptor import ErrorInterceptor
 from kvservice.v1 import allocator_pb2 as pb
-from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
 from helpers import TEST_SETTINGS, ServerThread, audit
 from test_state_machine import make_prompt
@@ -187,17 +179,9 @@ class FaultyServer(ServerThread):
     """``ServerThread`` (reaper on) with ``Faults`` outside the error interceptor."""
 
     def __init__(self, redis_url: str) -> None:
-        super().__init__(redis_url, SETTINGS)
-        self.faults = Faults()
-
-    async def serve(self) -> None:
-        self.store = Store(connect(self.redis_url))
-        self.allocator = Allocator(self.store, self.settings)
-        self.server, self.port, _ = await build_server(
-            "127.0.0.1:0", [(pb_grpc.add_AllocatorServicer_to_server, AllocatorServicer(self.allocator))],
-            [SERVICE_NAME], interceptors=[self.faults, ErrorInterceptor(outcome_to_pb)])
-        await self.server.start()
-        self._sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval))
+        faults = Faults()
+        super().__init__(redis_url, SETTINGS, interceptors=(faults,))
+        self.faults = faults
 
 
 # ---------------------------------------------------------------------------- the model

@@ -25,14 +25,15 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["Allocator"].full_name
 
 
-async def create_server(allocator: Allocator, address: str,
-                        metrics: AllocatorMetrics | None = None) -> tuple[grpc.aio.Server, int]:
+async def create_server(allocator: Allocator, address: str, metrics: AllocatorMetrics | None = None,
+                        outer: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> tuple[grpc.aio.Server, int]:
     """A not-yet-started server with the allocator, health and reflection services.
 
     Returns the server and the bound port (``address`` may end in ``:0``). With
-    ``metrics``, every call is timed into its RPC histogram.
+    ``metrics``, every call is timed into its RPC histogram. ``outer``: interceptors that
+    run before the others (tests use them to lose replies).
     """
-    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(outcome_to_pb)]
+    interceptors: list[grpc.aio.ServerInterceptor] = [*outer, ErrorInterceptor(outcome_to_pb)]
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor)
     server, port, _ = await build_server(
