@@ -481,7 +481,7 @@ class Client:
 
     def _append_fast(self, appends: dict) -> dict:
         """Applies the appends that stay below each sequence's ``_room`` (inside its
-        private last block, which they do not fill); returns the others, unapplied."""
+        private last block, filling it at most); returns the others, unapplied."""
         slow = {}
         for s, tokens in appends.items():
             t1 = s._num_tokens + len(tokens)
@@ -620,25 +620,36 @@ class Client:
         table.extend(blocks)
         s._tail.extend(tokens)
         s._num_tokens = t1
+        if blocks or t1 // bs > s._committed:
+            self._log_grow(pj, s, blocks)
+        # (else: the allocator learns this length with the sequence's next entry, or at a flush)
+        s._room = _room(s)
+
+    @staticmethod
+    def _log_grow(pj: PoolJournal, s: "Sequence", blocks: list[int] = ()) -> None:
+        """One GROW entry at the sequence's length: the blocks it added and the full
+        blocks not committed yet (with their hashes). A block that fills on the fast
+        path is committed here, with the sequence's next entry (its next block, a fork,
+        a free or a flush): one entry per block in decode, not two."""
+        t1, bs = s._num_tokens, s.block_size
         k = t1 // bs - s._committed
-        if k > 0:      # one entry: the growth and the blocks that filled
+        if k > 0:
             parent = last = s._last_hash
             data = s._tail[:k * bs]
-            hash_of, at = pj.hash_of, s._committed
+            hash_of, at, table = pj.hash_of, s._committed, s._table
             for i in range(0, k * bs, bs):
                 last = hash_of[table[at]] = hashing.block_hash(last, data[i:i + bs])
                 at += 1
             pj.log(GROW, s.number, t1, blocks, commit_tokens=data, num_commits=k, parent_hash=parent)
             s._apply_commits(t1 // bs, last)
-            s._logged = t1
-        elif blocks:
+        else:
             pj.log(GROW, s.number, t1, blocks)
-            s._logged = t1
-        # (else: the allocator learns this length with the sequence's next entry, or at a flush)
-        s._room = _room(s)
+        s._logged = t1
 
     def _fork_local(self, s: "Sequence") -> "Sequence":
         pj = self._journals[s.pool]
+        if s._num_tokens // s.block_size > s._committed:
+            self._log_grow(pj, s)        # (its full blocks committed before they are shared)
         n = pj.numbers.popleft()
         state = pb.Sequence(sequence_id=f"{s.pool}/{s.epoch}/{n}", pool_id=s.pool, epoch=s.epoch,
                             block_table=s._table, num_tokens=s._num_tokens, num_cached_tokens=s.num_cached_tokens,
@@ -653,6 +664,8 @@ class Client:
 
     def _free_local(self, s: "Sequence") -> None:
         pj = self._journals[s.pool]
+        if s._num_tokens // s.block_size > s._committed:
+            self._log_grow(pj, s)        # (its full blocks committed: they stay cached)
         pj.log(FREE, s.number, s._num_tokens)
         pj.release(s._table, s._num_tokens)
         s.freed = True
@@ -669,9 +682,8 @@ class Client:
             return
         with self._lock:
             for s in self._live:
-                if s._num_tokens != s._logged:      # lengths no entry has said yet
-                    self._journals[s.pool].log(GROW, s.number, s._num_tokens)
-                    s._logged = s._num_tokens
+                if s._num_tokens != s._logged:      # lengths (and full blocks) no entry has said yet
+                    self._log_grow(self._journals[s.pool], s)
         for _ in range(100):
             self._sync_once()
             with self._lock:
@@ -1017,9 +1029,10 @@ def _freed(s: Sequence) -> errors.KvsError | ValueError:
 
 
 def _room(s: Sequence) -> int:
-    """The length below which appends stay inside the sequence's private last block (0
-    when the next token needs a block: a full last block, or a shared one)."""
-    return (s._committed + 1) * s.block_size if len(s._table) > s._committed else 0
+    """The length below which appends stay inside the sequence's private last block,
+    filling it at most (0 when the next token needs a block: a full last block, or a
+    shared one)."""
+    return (s._committed + 1) * s.block_size + 1 if len(s._table) > s._committed else 0
 
 
 def _fence(ttl: float) -> float:
