@@ -78,6 +78,10 @@ class Sequence:
         num_cached_tokens: prompt tokens that the prefix cache served at create.
     """
 
+    __slots__ = ("client", "id", "number", "pool", "epoch", "block_size", "num_cached_tokens", "_table",
+                 "_num_tokens", "_committed", "_last_hash", "_tail", "_private", "_room", "_logged",
+                 "_prompt_hashes", "lost", "freed", "__weakref__")
+
     def __init__(self, client: "Client", state: pb.Sequence, tail: list[int], private: bool) -> None:
         self.client = client
         self.id = state.sequence_id
@@ -261,13 +265,15 @@ class Client:
                 created sequences in ``result``.
             kvservice.errors.KvsError: any other refusal, with the same guarantee.
         """
+        forks = dict(forks) if forks else {}
+        frees = list(frees) if frees else []
+        creates = [c if isinstance(c, tuple) else (list(c), "", b"") for c in creates] if creates else []
         if appends is None:
             appends = {}
-        elif appends.__class__ is not dict or not all(t.__class__ is list for t in appends.values()):
+        elif appends.__class__ is not dict or (forks or creates or not self.local) and not all(
+                t.__class__ is list for t in appends.values()):
             appends = {s: list(t) for s, t in appends.items()}   # (a dict of lists is only read)
-        forks = dict(forks or {})
-        frees = list(frees)
-        creates = [c if isinstance(c, tuple) else (list(c), "", b"") for c in creates]
+        # (else: a local step's fast path takes each list as it is and copies the others)
         if frees or forks:
             _check_step(self, appends, forks, frees)
         if self.local:
@@ -484,15 +490,26 @@ class Client:
         private last block, filling it at most); returns the others, unapplied."""
         slow = {}
         for s, tokens in appends.items():
-            t1 = s._num_tokens + len(tokens)
+            if tokens.__class__ is not list:
+                slow[s] = list(tokens)
+                continue
+            n = len(tokens)
+            t1 = s._num_tokens + n
             if t1 < s._room and s.client is self:
-                for t in tokens:
-                    if t.__class__ is not int:
-                        break
+                if n == 1:         # (decode: one token)
+                    t = tokens[0]
+                    if t.__class__ is int:
+                        s._tail.append(t)
+                        s._num_tokens = t1
+                        continue
                 else:
-                    s._tail += tokens
-                    s._num_tokens = t1
-                    continue
+                    for t in tokens:
+                        if t.__class__ is not int:
+                            break
+                    else:
+                        s._tail += tokens
+                        s._num_tokens = t1
+                        continue
             slow[s] = tokens
         return slow
 
@@ -616,7 +633,7 @@ class Client:
             result.copies.append(CopyPair(s.pool, src, dst))
         t1 = t0 + len(tokens)
         grow = -(-t1 // bs) - len(table)
-        blocks = [pj.take() for _ in range(grow)] if grow > 0 else []
+        blocks = [pj.take()] if grow == 1 else [pj.take() for _ in range(grow)] if grow > 0 else []
         table.extend(blocks)
         s._tail.extend(tokens)
         s._num_tokens = t1
