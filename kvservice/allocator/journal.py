@@ -103,18 +103,21 @@ def journal_payload(j: JournalColumns | None, first_entry: int, pool_id: str, ge
     if committing:
         at = next(i for i, c in enumerate(ncommits) if c)
         data = hashing.token_bytes_checked(j.commit_tokens, f"pool {pool_id}: journal entry {first_entry + at}")
-        width, hb, off, h = 4 * bs, hashing.HASH_BYTES, 0, 0
+        hb = hashing.HASH_BYTES
         ph = j.parent_hashes
-        for c in ncommits:
-            if c:
-                parent = ph[h:h + hb]
-                parents.append(parent.hex())
-                commits.extend(x.hex() for x in hashing.chain_hashes(parent, data[off:off + c * width], bs, c))
-                off += c * width
-                h += hb
+        # Each committing entry's chain from its parent, in one pass; every hash is turned
+        # to hex at once, then cut (a decode entry commits one block: this loop runs once
+        # per block the journal commits).
+        digests = hashing.chain_runs(ph, data, bs, [c for c in ncommits if c])
+        parents = _hex_pieces(ph.hex(), 2 * hb)
+        commits = _hex_pieces(b"".join(digests).hex(), 2 * hb)
     return {"n": n, "kinds": kinds, "sequences": seqs, "num_tokens": toks, "children": children,
             "num_blocks": nblocks, "blocks": j.blocks, "num_commits": ncommits, "commits": commits,
             "parents": parents}
+
+
+def _hex_pieces(text: str, width: int) -> list[str]:
+    return [text[i:i + width] for i in range(0, len(text), width)]
 
 
 def resync_payload(r: ReserveRequest, geo: Geometry) -> list[dict[str, Any]]:

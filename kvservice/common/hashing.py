@@ -76,3 +76,20 @@ def chain_hashes(parent: bytes, token_ids, block_size: int, num_blocks: int) -> 
         parent = blake2b(parent + data[i * width:(i + 1) * width], digest_size=HASH_BYTES).digest()
         out.append(parent)
     return out
+
+
+def chain_runs(parents: bytes, data: bytes, block_size: int, runs: list[int]) -> list[bytes]:
+    """The hashes of consecutive runs of full blocks: run ``i`` has ``runs[i]`` blocks of
+    ``data`` (bytes from ``token_bytes_checked``, the runs one after the other) chained
+    from the ``i``-th ``HASH_BYTES`` of ``parents``. One flat list, in order."""
+    width, hb = 4 * block_size, HASH_BYTES
+    out = []
+    append = out.append
+    off = 0
+    for i, c in enumerate(runs):
+        parent = parents[i * hb:(i + 1) * hb]
+        for _ in range(c):
+            parent = blake2b(parent + data[off:off + width], digest_size=HASH_BYTES).digest()
+            append(parent)
+            off += width
+    return out
