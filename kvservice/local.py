@@ -1,0 +1,482 @@
+"""Local mode (``Client(local=True)``, DESIGN §5): a step's ownership changes are made in
+the engine's process at once and reach the allocator through each pool's journal.
+
+``LocalSteps`` is the half of ``kvservice.client.Client`` that does it: the decode fast
+path, growth / copy-on-write / commits / forks / frees applied locally and journaled, the
+reserves that cover them, the creates (the one synchronous call: the global prefix
+lookup), the flusher's ``Sync`` and its reply (grants, acknowledgements, a rollback's
+resync). It works on the client's state (its lock, journals, live sequences, lease and
+stub) and has no state of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import grpc
+
+from kvservice import errors
+from kvservice.common import hashing
+from kvservice.journal import COPY, FORK, FREE, GROW, PoolJournal
+from kvservice.rpc import fence_seconds, new_request_id, to_domain_error
+from kvservice.sequence import CopyPair, Sequence, StepResult, freed_error
+from kvservice.v1 import allocator_pb2 as pb
+
+
+class LocalSteps:
+    """Local-mode steps, the journal and its ``Sync`` (mixed into ``Client``)."""
+
+    def _step_local(self, appends: dict, forks: dict, frees: list, creates: list) -> StepResult:
+        """A step whose ownership changes are local: no RPC unless it creates sequences
+        (the prefix lookup is global) or a pool's reserve cannot cover it. The creates are
+        made first: refused, nothing of the step changed; if the local part is refused
+        after them (a reserve that cannot be refilled), the created sequences are in the
+        exception's ``result``."""
+        self._check_alive()
+        if self._resyncing:
+            self._sync_once()        # (no change until the pools agree again)
+        result = StepResult()
+        created = None
+        if creates:
+            if appends or forks or frees:
+                self._check_local(appends, forks, frees)     # bad input: refused before any create
+            created = self._create_local(creates)
+        # The decode step's common case first: tokens that stay inside a private partial
+        # block change the sequence alone (as in an in-process block manager); the rest
+        # ("slow": a block fills or is needed, a shared block is written) go through the
+        # journal. Children share their parent's state before its appends: with forks,
+        # every append takes the journal's path.
+        if forks:
+            slow = appends
+        else:
+            with self._lock:
+                slow = self._append_fast(appends) if appends else {}
+        if slow or forks or frees:
+            try:
+                self._step_journaled(slow, forks, frees, result)
+            except BaseException as exc:
+                if slow is not appends:
+                    with self._lock:
+                        self._undo_fast(appends, slow)
+                if created is not None and isinstance(exc, errors.KvsError):
+                    exc.result = StepResult(copies=list(created.copies), created=created.created, rpc=True)
+                raise
+        if created is not None:
+            result.created = created.created
+            result.copies.extend(created.copies)
+            result.rpc = True
+        return result
+
+    def _create_local(self, creates: list) -> StepResult:
+        """The step's creates, in one call; the new sequences join the local state. The
+        prefix lookup needs no pending change applied first (a pending commit can only make
+        it miss, a pending free only leave a block referenced a little longer); the pool's
+        capacity may: refused, the lease gives its reserve back in the refusing pool (a
+        create cannot take reserved blocks), the journal is flushed and the call made once
+        more."""
+        try:
+            try:
+                created = self._step_remote({}, {}, [], creates)
+            except errors.ResourceExhausted as exc:
+                with self._lock:
+                    pj = self._journals.get(exc.pool_id)
+                    if pj is not None and pj.reserve:
+                        pj.returning.extend(pj.reserve)
+                        pj.reserve = []
+                        pj.starved_until = time.monotonic() + pj.STARVED_BACKOFF   # (no refill at once)
+                    if exc.result is not None or not any(j.pending or j.returning for j in self._journals.values()):
+                        raise
+                self.flush()
+                created = self._step_remote({}, {}, [], creates)
+        except errors.KvsError as exc:
+            if exc.result is not None:      # the pools that did create: their sequences are ours
+                self._adopt(exc.result.created)
+            raise
+        self._adopt(created.created)
+        return created
+
+    def _adopt(self, created: list["Sequence"]) -> None:
+        """New sequences join the local state (their pools' journals)."""
+        with self._lock:
+            for seq in created:
+                pj = self._journal(seq)
+                pj.hold(seq._table)
+                pj.hash_of.update(zip(seq._table, seq._prompt_hashes))
+                seq._logged = seq._num_tokens
+                seq._room = _room(seq)
+                self._live.add(seq)
+
+    def _append_fast(self, appends: dict) -> dict:
+        """Applies the appends that stay below each sequence's ``_room`` (inside its
+        private last block, filling it at most); returns the others, unapplied."""
+        slow = {}
+        for s, tokens in appends.items():
+            if tokens.__class__ is not list:
+                slow[s] = list(tokens)
+                continue
+            n = len(tokens)
+            t1 = s._num_tokens + n
+            if t1 < s._room and s.client is self:
+                if n == 1:         # (decode: one token)
+                    t = tokens[0]
+                    if t.__class__ is int:
+                        s._tail.append(t)
+                        s._num_tokens = t1
+                        continue
+                else:
+                    for t in tokens:
+                        if t.__class__ is not int:
+                            break
+                    else:
+                        s._tail += tokens
+                        s._num_tokens = t1
+                        continue
+            slow[s] = tokens
+        return slow
+
+    @staticmethod
+    def _undo_fast(appends: dict, slow: dict) -> None:
+        """Takes back what ``_append_fast`` applied (the step was refused)."""
+        for s, tokens in appends.items():
+            if tokens and s not in slow:
+                del s._tail[-len(tokens):]
+                s._num_tokens -= len(tokens)
+
+    def _check_local(self, appends: dict, forks: dict, frees: list) -> None:
+        """Refuses a local step's bad input (another client's sequence, a freed one, a
+        token that is not an int) before anything changes."""
+        for s, tokens in appends.items():
+            if s.__class__ is not Sequence and not isinstance(s, Sequence) or s.client is not self:
+                raise ValueError(f"{s!r} is not a sequence of this client")
+            if s.freed:
+                raise freed_error(s)
+            for t in tokens:
+                if t.__class__ is not int and (not isinstance(t, int) or isinstance(t, bool)):
+                    raise TypeError(f"token ids must be int, got {t!r} for sequence {s.id}")
+        for s in (*forks, *frees):
+            if s.freed:
+                raise freed_error(s)
+
+    def _step_journaled(self, appends: dict, forks: dict, frees: list, result: StepResult) -> None:
+        """The step's frees, forks and appends that change ownership: checked, covered by
+        the reserves (a synchronous Sync when they are not), then applied and journaled."""
+        self._check_local(appends, forks, frees)
+        if frees:
+            # First, and whatever becomes of the rest: the blocks they release serve the
+            # step (partial ones back in the reserve; the others once the Sync that covers
+            # the step has applied the frees).
+            with self._lock:
+                for s in frees:
+                    self._free_local(s)
+        self._ensure_reserves(appends, forks)
+        try:
+            with self._lock:
+                self._apply_local(appends, forks, result)
+        finally:
+            for pj in self._journals.values():
+                pj.floor = 0
+        # Send now, unless a Sync went out less than flush_interval ago: the step is done,
+        # and an engine is about to wait for its forward pass (a Sync sent then does not
+        # compete with the next step for the interpreter).
+        if time.monotonic() - self._sent_at >= self.flush_interval:
+            self._wake.set()
+
+    def _apply_local(self, appends: dict, forks: dict, result: StepResult) -> None:
+        """The step's forks and appends, covered by the reserves (under the lock)."""
+        for s, children in forks.items():
+            kids = result.children.setdefault(s.id, [])
+            for tokens in children:
+                child = self._fork_local(s)
+                kids.append(child)
+                if tokens:
+                    self._append_local(child, list(tokens), result)
+        for s, tokens in appends.items():
+            if tokens:
+                self._append_local(s, tokens, result)
+
+    def _journal(self, s: "Sequence") -> PoolJournal:
+        pj = self._journals.get(s.pool)
+        if pj is None:
+            pj = self._journals[s.pool] = PoolJournal(s.pool, s.epoch, s.block_size)
+        return pj
+
+    def _ensure_reserves(self, appends: dict, forks: dict) -> None:
+        """Makes sure each pool's reserve and sequence numbers cover the step (an
+        overestimate), with a synchronous Sync when they do not; else ResourceExhausted."""
+        def shortfall() -> dict[str, tuple[int, int]]:
+            short: dict[str, tuple[int, int]] = {}
+            with self._lock:
+                need: dict[str, list[int]] = {}
+                for s, children in forks.items():
+                    n = need.setdefault(s.pool, [0, 0])
+                    n[1] += len(children)
+                    for tokens in children:
+                        if tokens:
+                            n[0] += self._blocks_for(s, len(tokens), True)
+                for s, tokens in appends.items():
+                    if tokens:
+                        need.setdefault(s.pool, [0, 0])[0] += self._blocks_for(s, len(tokens), s in forks)
+                for pool, (blocks, numbers) in need.items():
+                    pj = self._journals[pool]
+                    pj.floor = blocks       # (the flusher returns no block the step counts on)
+                    if len(pj.reserve) < blocks or len(pj.numbers) < numbers:
+                        short[pool] = (blocks, numbers)
+            return short
+
+        for attempt in range(2):
+            short = shortfall()
+            if not short:
+                return
+            if attempt:
+                pool, (blocks, _) = next(iter(short.items()))
+                have = len(self._journals[pool].reserve)
+                raise errors.ResourceExhausted(f"pool {pool}: the step needs up to {blocks} blocks, the lease's "
+                                               f"reserve holds {have}", pool_id=pool, needed=blocks, available=have)
+            self._sync_once(short, recheck=shortfall)
+
+    def _blocks_for(self, s: "Sequence", added: int, forked: bool) -> int:
+        bs = s.block_size
+        t = s._num_tokens
+        copy = 1 if t % bs and (forked or self._journals[s.pool].shared(s._table[-1])) else 0
+        return copy + max(0, -(-(t + added) // bs) - len(s._table))
+
+    def _append_local(self, s: "Sequence", tokens: list[int], result: StepResult) -> None:
+        pj = self._journals[s.pool]
+        bs = s.block_size
+        t0 = s._num_tokens
+        table = s._table
+        if t0 % bs and pj.refs.get(table[-1], 0) > 1:     # copy-on-write of the shared partial block
+            src = table[-1]
+            dst = pj.take()
+            pj.refs[src] -= 1
+            table[-1] = dst
+            pj.log(COPY, s.number, t0, [dst])
+            result.copies.append(CopyPair(s.pool, src, dst))
+        t1 = t0 + len(tokens)
+        grow = -(-t1 // bs) - len(table)
+        blocks = [pj.take()] if grow == 1 else [pj.take() for _ in range(grow)] if grow > 0 else []
+        table.extend(blocks)
+        s._tail.extend(tokens)
+        s._num_tokens = t1
+        if blocks or t1 // bs > s._committed:
+            self._log_grow(pj, s, blocks)
+        # (else: the allocator learns this length with the sequence's next entry, or at a flush)
+        s._room = _room(s)
+
+    @staticmethod
+    def _log_grow(pj: PoolJournal, s: "Sequence", blocks: list[int] = ()) -> None:
+        """One GROW entry at the sequence's length: the blocks it added and the full
+        blocks not committed yet (with their hashes). A block that fills on the fast
+        path is committed here, with the sequence's next entry (its next block, a fork,
+        a free or a flush): one entry per block in decode, not two."""
+        t1, bs = s._num_tokens, s.block_size
+        k = t1 // bs - s._committed
+        if k > 0:
+            parent = last = s._last_hash
+            data = s._tail[:k * bs]
+            hash_of, at, table = pj.hash_of, s._committed, s._table
+            for i in range(0, k * bs, bs):
+                last = hash_of[table[at]] = hashing.block_hash(last, data[i:i + bs])
+                at += 1
+            pj.log(GROW, s.number, t1, blocks, commit_tokens=data, num_commits=k, parent_hash=parent)
+            s._apply_commits(t1 // bs, last)
+        else:
+            pj.log(GROW, s.number, t1, blocks)
+        s._logged = t1
+
+    def _fork_local(self, s: "Sequence") -> "Sequence":
+        pj = self._journals[s.pool]
+        if s._num_tokens // s.block_size > s._committed:
+            self._log_grow(pj, s)        # (its full blocks committed before they are shared)
+        n = pj.numbers.popleft()
+        state = pb.Sequence(sequence_id=f"{s.pool}/{s.epoch}/{n}", pool_id=s.pool, epoch=s.epoch,
+                            block_table=s._table, num_tokens=s._num_tokens, num_cached_tokens=s.num_cached_tokens,
+                            num_committed_blocks=s._committed, last_hash=s._last_hash, block_size=s.block_size)
+        child = Sequence(self, state, list(s._tail), private=False)
+        pj.hold(s._table)
+        pj.log(FORK, s.number, s._num_tokens, child=n)
+        s._logged = child._logged = s._num_tokens
+        s._room = 0      # the partial last block is shared now: the next write copies it
+        self._live.add(child)
+        return child
+
+    def _free_local(self, s: "Sequence") -> None:
+        pj = self._journals[s.pool]
+        if s._num_tokens // s.block_size > s._committed:
+            self._log_grow(pj, s)        # (its full blocks committed: they stay cached)
+        pj.log(FREE, s.number, s._num_tokens)
+        pj.release(s._table, s._num_tokens)
+        s.freed = True
+        s._room = 0
+        self._live.discard(s)
+
+    def flush(self) -> None:
+        """A barrier: returns once the allocator has applied every local change made so
+        far (and the lease was kept alive), and the creates whose reply was lost are
+        settled (their sequences freed) if the allocator can be reached."""
+        if self._doubtful:
+            self._settle()
+        if not self.local:
+            return
+        with self._lock:
+            for s in self._live:
+                if s._num_tokens != s._logged:      # lengths (and full blocks) no entry has said yet
+                    self._log_grow(self._journals[s.pool], s)
+        for _ in range(100):
+            self._sync_once()
+            with self._lock:
+                if not any(j.pending or j.resyncing for j in self._journals.values()):
+                    return
+        raise errors.Unavailable("the journal could not be flushed")
+
+    def _sync_once(self, short: dict[str, tuple[int, int]] | None = None, *, background: bool = False,
+                   recheck: Callable[[], dict] | None = None) -> None:
+        """One Sync: every pool's pending entries, refills and returns; a keep-alive. A Sync
+        that got no answer is sent again first, as it was.
+        ``recheck``: a shortfall that the Sync in flight (the flusher's) may have covered
+        already: it is asked again once that one is done, and no Sync is sent if it is."""
+        with self._sync_lock:
+            if self._unanswered is not None and not self._exchange(*self._unanswered, background=background):
+                return
+            if recheck is not None:
+                short = recheck()
+                if not short:
+                    return
+            with self._lock:
+                journals = list(self._journals.values())
+                parts = []
+                for pj in journals:
+                    if pj.resyncing:
+                        parts.append(pj.resync_request(self._claims(pj)))
+                        continue
+                    part = pj.sync_request()
+                    if short and pj.pool_id in short:
+                        blocks, numbers = short[pj.pool_id]
+                        part["need_blocks"] = blocks
+                        part["want_sequence_numbers"] = max(part["want_sequence_numbers"], numbers + pj.NUMBERS)
+                    parts.append(part)
+            # (built outside the lock: copying the entries into the message takes a while)
+            for part in parts:
+                if "journal" in part:
+                    part["journal"] = pb.JournalEntries(**part["journal"])
+            request = pb.SyncRequest(lease_id=self.lease_id, request_id=new_request_id(),
+                                     pools=[pb.PoolSync(**part) for part in parts])
+            self._exchange(request, journals, background=background)
+
+    def _exchange(self, request: pb.SyncRequest, journals: list[PoolJournal], *, background: bool) -> bool:
+        """Sends one Sync and applies its reply; returns whether it went through (the
+        flusher's), or raises (the caller's). A Sync that fails without an answer (no
+        replica within the retry budget, a reply lost after the call was applied) stays
+        the one to send, unchanged, under its request id: the allocator answers a resend of
+        an applied Sync with its first outcome, so blocks it granted are not lost and
+        blocks being returned are never used again meanwhile."""
+        self._unanswered = (request, journals)
+        sent_at = self._sent_at = time.monotonic()
+        try:
+            if background:
+                self.sync_count += 1
+                reply = self.stub.Sync(request, timeout=self.timeout)
+            else:
+                reply = self._call(self.stub.Sync, request)
+        except (grpc.RpcError, errors.KvsError) as exc:
+            err = to_domain_error(exc) if isinstance(exc, grpc.RpcError) else exc
+            definitive = True
+            if isinstance(err, (errors.NotFound, errors.LeaseExpired)):
+                self.lease_error = err
+            elif isinstance(err, (errors.InvalidArgument, errors.FailedPrecondition, errors.PermissionDenied)):
+                self.journal_error = err      # the allocator refused the journal: nothing more can apply
+            else:
+                definitive = False            # UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED...: sent again
+            if definitive:
+                self._unanswered = None
+                with self._lock:
+                    for pj in journals:
+                        pj.sync_failed()
+            if background:
+                return False
+            raise err from None
+        self._unanswered = None
+        with self._lock:
+            for pj, ack in zip(journals, reply.pools):
+                if ack.resynced:
+                    self._resynced(pj, ack)
+                else:
+                    pj.synced(ack)
+            self._resyncing = any(j.resyncing for j in self._journals.values())
+            self._alive_until = sent_at + fence_seconds(self.lease.ttl_seconds)
+        return True
+
+    def _claims(self, pj: PoolJournal) -> list[pb.SequenceClaim]:
+        """Every live sequence of the pool as this client holds it (for a resync)."""
+        hb = hashing.HASH_BYTES
+        missing = bytes(hb)     # (never: every committed block's hash is kept; a wrong one loses the sequence)
+        return [pb.SequenceClaim(sequence=s.number, num_tokens=s._num_tokens, block_table=s._table,
+                                 num_committed_blocks=s._committed, last_hash=s._last_hash,
+                                 block_hashes=b"".join(pj.hash_of.get(b, missing) for b in s._table[:s._committed]),
+                                 num_cached_tokens=s.num_cached_tokens)
+                for s in self._live if s.pool == pj.pool_id]
+
+    def _resynced(self, pj: PoolJournal, ack: pb.PoolReserve) -> None:
+        """A resync's reply: the lost sequences are dropped (see ``lost_sequences``)."""
+        lost = set(ack.lost_sequences)
+        kept = []
+        for s in [s for s in self._live if s.pool == pj.pool_id]:
+            if s.number in lost:
+                s.lost = s.freed = True
+                s._room = 0
+                self._live.discard(s)
+                self._lost.append(s)
+            else:
+                kept.append(s._table)
+                s._logged = s._num_tokens      # (the claim carried its length)
+        pj.resynced(ack, kept)
+        self.resync_count += 1
+
+    def lost_sequences(self) -> list[Sequence]:
+        """The sequences lost in resyncs since the last call (each once): the allocator
+        lost writes and could not prove their blocks were still this client's. Their
+        handles refuse every change (``kvservice.errors.SequenceLost``); recompute them."""
+        with self._lock:
+            out, self._lost = self._lost, []
+        return out
+
+    def _flusher(self) -> None:
+        """Sends the journal after each step that logged entries, and every
+        ``flush_interval`` while there is something to send (a refill, a return), and a
+        Sync at least every TTL / 3 (the keep-alive)."""
+        keepalive_every = max(self.lease.ttl_seconds / 3, 0.05)
+        last = time.monotonic()
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_interval)
+            self._wake.clear()
+            if self._stop.is_set() or self.lease_error is not None:
+                return
+            now = time.monotonic()
+            with self._lock:
+                busy = self._unanswered is not None or any(
+                    j.pending or j.returning or j.resyncing or (j.low() and now >= j.starved_until)
+                    or (j.cap and len(j.reserve) > j.cap) for j in self._journals.values())
+            if busy or now - last >= keepalive_every:
+                self._sync_once(background=True)
+                last = now
+            if self._doubtful:
+                self._settle()
+
+    def reserved_blocks(self) -> int:
+        """Blocks this client holds in reserve, over all pools (its own view)."""
+        with self._lock:
+            return sum(len(j.reserve) + len(j.returning) for j in self._journals.values())
+
+    def journal_lags(self) -> list[float]:
+        """Seconds from a local change to the allocator's acknowledgement of it, for the
+        recent changes of every pool."""
+        with self._lock:
+            return [lag for j in self._journals.values() for lag in j.lags]
+
+
+def _room(s: Sequence) -> int:
+    """The length below which appends stay inside the sequence's private last block,
+    filling it at most (0 when the next token needs a block: a full last block, or a
+    shared one)."""
+    return (s._committed + 1) * s.block_size + 1 if len(s._table) > s._committed else 0

@@ -1,0 +1,148 @@
+"""Sequence handles: a sequence's block table, length and uncommitted tokens, kept in the
+engine's process and exact between steps (``Client.step`` changes them), and what a step
+returns (``StepResult``, its copy-on-write pairs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+from kvservice import errors
+from kvservice.v1 import allocator_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvservice.client import Client
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPair:
+    """Copy block ``src`` onto ``dst`` in ``pool`` (all layers) before writing into ``dst``."""
+
+    pool: str
+    src: int
+    dst: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step changed that the engine must act on.
+
+    Attributes:
+        copies: copy-on-write pairs, to apply on the workers before this step's writes.
+        created: new sequences, in the order of ``creates``.
+        children: forked children per parent sequence id, in request order.
+        rpc: whether the step called the allocator.
+    """
+
+    copies: list[CopyPair] = field(default_factory=list)
+    created: list["Sequence"] = field(default_factory=list)
+    children: dict[str, list["Sequence"]] = field(default_factory=dict)
+    rpc: bool = False
+
+
+class Sequence:
+    """A handle on one sequence; its state is local and exact between steps.
+
+    Attributes:
+        id: ``<pool>/<epoch>/<n>``.
+        pool: the pool (worker) that holds its blocks.
+        epoch: the pool's epoch when it was created.
+        num_cached_tokens: prompt tokens that the prefix cache served at create.
+    """
+
+    __slots__ = ("client", "id", "number", "pool", "epoch", "block_size", "num_cached_tokens", "_table",
+                 "_num_tokens", "_committed", "_last_hash", "_tail", "_private", "_room", "_logged",
+                 "_prompt_hashes", "lost", "freed", "__weakref__")
+
+    def __init__(self, client: "Client", state: pb.Sequence, tail: list[int], private: bool) -> None:
+        self.client = client
+        self.id = state.sequence_id
+        self.number = int(self.id.rsplit("/", 1)[1])   # n of <pool>/<epoch>/<n>
+        self.pool = state.pool_id
+        self.epoch = state.epoch
+        self.block_size = state.block_size
+        self.num_cached_tokens = state.num_cached_tokens
+        self._table = list(state.block_table)
+        self._num_tokens = state.num_tokens
+        self._committed = state.num_committed_blocks
+        self._last_hash = state.last_hash
+        self._tail = tail          # token ids from block `_committed` on
+        self._private = private    # the last block is known to be ours alone
+        #: (local mode) appends that keep num_tokens below _room change only this object;
+        #: _logged: the length the journal has told the allocator.
+        self._room = 0
+        self._logged = self._num_tokens
+        self._prompt_hashes = state.block_hashes   # (a create's reply: its committed blocks' hashes)
+        #: Lost in a resync (the allocator lost writes and could not keep it): see
+        #: ``Client.lost_sequences``.
+        self.lost = False
+        self.freed = False
+
+    @property
+    def block_table(self) -> list[int]:
+        """Logical block index -> physical block id (a copy)."""
+        return list(self._table)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the current block table can hold."""
+        return len(self._table) * self.block_size
+
+    def slot_mapping(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Physical slots (``block_id * block_size + offset``) of positions ``start..end-1``."""
+        end = self._num_tokens if end is None else end
+        if not 0 <= start <= end <= self.capacity:
+            raise ValueError(f"positions {start}..{end} outside 0..{self.capacity} of sequence {self.id}")
+        bs, table = self.block_size, self._table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def append(self, token_ids: Iterable[int]) -> StepResult:
+        """Appends tokens; calls the allocator only when ownership changes."""
+        return self.client.step({self: list(token_ids)})
+
+    def fork(self, token_ids: Iterable[int] = ()) -> "Sequence":
+        """A child that shares every block; ``token_ids`` are appended to the child only."""
+        return self.client.step(forks={self: [list(token_ids)]}).children[self.id][0]
+
+    def free(self) -> None:
+        """Releases the blocks (full blocks stay cached by hash until evicted)."""
+        if not self.freed:
+            self.client.step(frees=[self])
+
+    def __enter__(self) -> "Sequence":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.freed and not self.client.closed:
+            self.free()
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.id}, tokens={self._num_tokens}, blocks={self._table})"
+
+    # -- step planning (used by Client.step)
+
+    def _pending_commits(self) -> list[pb.BlockCommit]:
+        bs = self.block_size
+        full = self._num_tokens // bs - self._committed
+        return [pb.BlockCommit(index=self._committed + i, token_ids=self._tail[i * bs:(i + 1) * bs])
+                for i in range(full)]
+
+    def _apply_commits(self, committed: int, last_hash: bytes) -> None:
+        drop = (committed - self._committed) * self.block_size
+        if drop:
+            del self._tail[:drop]
+        self._committed = committed
+        self._last_hash = last_hash
+
+
+def freed_error(s: Sequence) -> errors.KvsError | ValueError:
+    """What a change to a freed (or lost) sequence raises."""
+    if s.lost:
+        return errors.SequenceLost(f"sequence {s.id} was lost when the allocator resynchronised after losing "
+                                   "writes: recompute it")
+    return ValueError(f"sequence {s.id} was freed")
