@@ -64,14 +64,10 @@ frees what it made).
 
 from __future__ import annotations
 
-import copy
 import functools
-import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
-import grpc
 import pytest
 import redis
 from hypothesis import HealthCheck, settings
@@ -81,13 +77,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvservice import errors
 from kvservice.client import Client
-from kvservice.common import hashing
-from kvservice.v1 import allocator_pb2 as pb
 
-from helpers import TEST_SETTINGS, ServerThread, audit
+from fault_server import FaultyServer
+from helpers import TEST_SETTINGS, audit
+from local_model import BS, Model, MSeq, chain, last_hash, num_blocks
 from test_state_machine import make_prompt
 
-BS = 4
 NUM_BLOCKS = 32
 MAX_SEQS = 12            # live sequences, so that every check stays cheap
 FAMILY = 1000            # token ids of family f at position i: f * FAMILY + i
@@ -97,212 +92,7 @@ RETRY_BUDGET = 0.1       # the retry policy's backoffs: 2.5, 7.5, 22, 67 ms
 ATTEMPTS = 5             # gRPC's cap on attempts: this many lost replies exhaust the policy
 #: reserve cap: int(0.125 * 32) = 4 blocks; 2 while free + evictable < int(0.25 * 32) = 8
 SETTINGS = TEST_SETTINGS.replace(reserve_share=0.125, reserve_min_blocks=2, reserve_pressure_share=0.25)
-#: Known bugs to steer around while exploring for others (comma-separated; see the module
-#: docstring): "lost-create-past-retries", "create-in-mixed-step". Empty by default.
 CLIENTS = {"main": ("a", 0.005), "peer": ("a", 3600.0), "other": ("b", 0.005)}   # tenant, flush_interval
-
-
-# ---------------------------------------------------------------------------- the server
-
-class Faults(grpc.aio.ServerInterceptor):
-    """Test faults around the allocator's handlers, per lease: ``drop(method, lease, n)``
-    lets the next ``n`` calls of ``method`` run and then answers UNAVAILABLE instead of
-    their replies; ``partition(lease)`` refuses every call of the lease (UNAVAILABLE)
-    before its handler until ``heal(lease)``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._drops: dict[tuple[str, str], int] = {}
-        self._cut: set[str] = set()
-        self.dropped = 0
-
-    def reset(self) -> None:
-        with self._lock:
-            self._drops.clear()
-            self._cut.clear()
-
-    def drop(self, method: str, lease: str, n: int) -> None:
-        with self._lock:
-            self._drops[(method, lease)] = n
-
-    def pending_drops(self, method: str, lease: str) -> int:
-        with self._lock:
-            return self._drops.get((method, lease), 0)
-
-    def partition(self, lease: str) -> None:
-        with self._lock:
-            self._cut.add(lease)
-
-    def heal(self, lease: str) -> None:
-        with self._lock:
-            self._cut.discard(lease)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        inner = handler.unary_unary
-        message = getattr(pb, f"{method}Request", None)   # (the error interceptor decodes the bytes)
-
-        async def faulty(request, context):
-            lease = _lease_of(message, request)
-            with self._lock:
-                cut = lease in self._cut
-            if cut:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "partitioned (test)")
-            reply = await inner(request, context)
-            with self._lock:
-                n = self._drops.get((method, lease), 0)
-                if n:
-                    self._drops[(method, lease)] = n - 1
-                    self.dropped += 1
-            if n:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost (test)")
-            return reply
-
-        return grpc.unary_unary_rpc_method_handler(faulty, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
-
-
-def _lease_of(message, request) -> str:
-    """The lease id of a request (raw bytes, or a decoded message), or ''."""
-    if isinstance(request, bytes) and message is not None:
-        try:
-            request = message.FromString(request)
-        except Exception:  # noqa: BLE001 - undecodable: the error interceptor answers it
-            return ""
-    return getattr(request, "lease_id", "")
-
-
-class FaultyServer(ServerThread):
-    """``ServerThread`` (reaper on) with ``Faults`` outside the error interceptor."""
-
-    def __init__(self, redis_url: str) -> None:
-        faults = Faults()
-        super().__init__(redis_url, SETTINGS, interceptors=(faults,))
-        self.faults = faults
-
-
-# ---------------------------------------------------------------------------- the model
-
-_roots: dict[str, bytes] = {}
-
-
-def chain(tenant: str, tokens: list[int]) -> list[bytes]:
-    """The chain hashes of every full block of ``tokens`` (tenant salt, no extra key)."""
-    if tenant not in _roots:
-        _roots[tenant] = hashing.root_hash(tenant)
-    return hashing.chain_hashes(_roots[tenant], tokens, BS, len(tokens) // BS)
-
-
-def last_hash(tenant: str, tokens: list[int]) -> bytes:
-    hs = chain(tenant, tokens)
-    return hs[-1] if hs else hashing.root_hash(tenant)
-
-
-def num_blocks(num_tokens: int) -> int:
-    return -(-num_tokens // BS)
-
-
-@dataclass
-class MSeq:
-    owner: str
-    tenant: str
-    family: int
-    tokens: list[int]
-    table: list[int]               # abstract block ids
-    cached: int                    # num_cached_tokens
-
-
-@dataclass
-class Model:
-    seqs: dict[str, MSeq] = field(default_factory=dict)
-    content: dict[int, bytes] = field(default_factory=dict)   # abstract full block -> its chain hash
-    known: set[bytes] = field(default_factory=set)            # hashes some client committed
-    next_block: int = 0
-
-    def new_block(self) -> int:
-        self.next_block += 1
-        return self.next_block
-
-    def holders(self, block: int) -> int:
-        return sum(s.table.count(block) for s in self.seqs.values())
-
-    def fill(self, s: MSeq, start: int) -> None:
-        """Records the content of the blocks of ``s`` that are full, from block ``start``."""
-        for i, h in enumerate(chain(s.tenant, s.tokens)[start:], start):
-            assert self.content.setdefault(s.table[i], h) == h, "two contents in one block"
-            self.known.add(h)
-
-    def append(self, sid: str, tokens: list[int]) -> list[tuple[int, int]]:
-        """The SDK's local append: copy-on-write of a shared partial last block (the
-        last holder writes in place), growth one block at a time, commits of full blocks."""
-        s = self.seqs[sid]
-        copies = []
-        t0 = len(s.tokens)
-        if t0 % BS and self.holders(s.table[-1]) > 1:
-            dst = self.new_block()
-            copies.append((s.table[-1], dst))
-            s.table[-1] = dst
-        s.tokens += tokens
-        s.table += [self.new_block() for _ in range(num_blocks(len(s.tokens)) - len(s.table))]
-        self.fill(s, t0 // BS)
-        return copies
-
-    def fork(self, sid: str, child: str, tokens: list[int]) -> list[tuple[int, int]]:
-        s = self.seqs[sid]
-        self.seqs[child] = MSeq(s.owner, s.tenant, s.family, list(s.tokens), list(s.table), s.cached)
-        return self.append(child, tokens) if tokens else []
-
-    def step(self, appends: dict[str, list[int]], forks: dict[str, list[list[int]]], frees: list[str],
-             children: dict[str, list[str]]) -> list[tuple[int, int]]:
-        """A local step in the SDK's order: frees, then each fork (each child's tokens
-        right after it), then the appends; returns the copy pairs (abstract blocks)."""
-        copies = []
-        for sid in frees:
-            del self.seqs[sid]
-        for sid, kids in forks.items():
-            for child, tokens in zip(children[sid], kids):
-                copies += self.fork(sid, child, tokens)
-        for sid, tokens in appends.items():
-            copies += self.append(sid, tokens)
-        return copies
-
-    def new_blocks(self, appends, forks, frees) -> int:
-        """Blocks the step takes from the reserve (a dry run)."""
-        m = copy.deepcopy(self)
-        m.step(appends, forks, frees, {sid: [f"{sid}+{i}" for i in range(len(k))] for sid, k in forks.items()})
-        return m.next_block - self.next_block
-
-    def create(self, sid: str, owner: str, tenant: str, family: int, tokens: list[int], handle,
-               bound: dict[int, int]) -> str:
-        """Adds a created sequence; checks its prefix hits against what is known; returns
-        a coverage note."""
-        hits, rest = divmod(handle.num_cached_tokens, BS)
-        assert rest == 0 and hits <= (len(tokens) - 1) // BS, handle.num_cached_tokens
-        hs = chain(tenant, tokens)
-        run = 0
-        while run < len(hs) and hs[run] in self.known:
-            run += 1
-        assert hits <= run, f"{hits} blocks hit where only {run} leading blocks were ever committed"
-        note = ""
-        table = []
-        for i in range(len(handle.block_table)):
-            block = bound.get(handle.block_table[i]) if i < hits else None
-            if block is None:
-                block = self.new_block()
-                if i < hits:
-                    note = note or "prefix hit on a block no live sequence holds"
-            else:
-                assert self.content.get(block) == hs[i], f"hit block {handle.block_table[i]} holds other content"
-                holder = next(x for x in self.seqs.values() if block in x.table)
-                note = "prefix hit on another lease's block" if holder.owner != owner else (
-                    note or "prefix hit on a live block")
-            table.append(block)
-        self.seqs[sid] = MSeq(owner, tenant, family, list(tokens), table, handle.num_cached_tokens)
-        self.fill(self.seqs[sid], 0)
-        return note
 
 
 # ---------------------------------------------------------------------------- strategies
@@ -780,7 +570,7 @@ def _pool_stats(target: str, pool: str):
 # Passing: well under a minute. Failing: Hypothesis shrinks for up to 5 minutes more.
 @pytest.mark.timeout(600)
 def test_local_mode_state_machine(redis_url):
-    with FaultyServer(redis_url) as server, redis.Redis.from_url(redis_url) as r:
+    with FaultyServer(redis_url, SETTINGS) as server, redis.Redis.from_url(redis_url) as r:
         LocalMachine.redis_url = redis_url
         LocalMachine.server = server
         LocalMachine.redis = r

@@ -1,0 +1,93 @@
+"""A real allocator server with faults injected around its handlers, per lease: replies
+dropped after the call was applied, and partitions (for the local-mode state machine).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from kvservice.v1 import allocator_pb2 as pb
+
+from helpers import ServerThread
+
+
+class Faults(grpc.aio.ServerInterceptor):
+    """Test faults around the allocator's handlers, per lease: ``drop(method, lease, n)``
+    lets the next ``n`` calls of ``method`` run and then answers UNAVAILABLE instead of
+    their replies; ``partition(lease)`` refuses every call of the lease (UNAVAILABLE)
+    before its handler until ``heal(lease)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._drops: dict[tuple[str, str], int] = {}
+        self._cut: set[str] = set()
+        self.dropped = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self._drops.clear()
+            self._cut.clear()
+
+    def drop(self, method: str, lease: str, n: int) -> None:
+        with self._lock:
+            self._drops[(method, lease)] = n
+
+    def pending_drops(self, method: str, lease: str) -> int:
+        with self._lock:
+            return self._drops.get((method, lease), 0)
+
+    def partition(self, lease: str) -> None:
+        with self._lock:
+            self._cut.add(lease)
+
+    def heal(self, lease: str) -> None:
+        with self._lock:
+            self._cut.discard(lease)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        inner = handler.unary_unary
+        message = getattr(pb, f"{method}Request", None)   # (the error interceptor decodes the bytes)
+
+        async def faulty(request, context):
+            lease = _lease_of(message, request)
+            with self._lock:
+                cut = lease in self._cut
+            if cut:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "partitioned (test)")
+            reply = await inner(request, context)
+            with self._lock:
+                n = self._drops.get((method, lease), 0)
+                if n:
+                    self._drops[(method, lease)] = n - 1
+                    self.dropped += 1
+            if n:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost (test)")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(faulty, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+def _lease_of(message, request) -> str:
+    """The lease id of a request (raw bytes, or a decoded message), or ''."""
+    if isinstance(request, bytes) and message is not None:
+        try:
+            request = message.FromString(request)
+        except Exception:  # noqa: BLE001 - undecodable: the error interceptor answers it
+            return ""
+    return getattr(request, "lease_id", "")
+
+
+class FaultyServer(ServerThread):
+    """``ServerThread`` (reaper on) with ``Faults`` outside the error interceptor."""
+
+    def __init__(self, redis_url: str, settings) -> None:
+        faults = Faults()
+        super().__init__(redis_url, settings, interceptors=(faults,))
+        self.faults = faults
