@@ -37,7 +37,6 @@ its size (``Client.reserved_blocks()``) is counted as a state of its own,
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections import Counter
 from contextlib import contextmanager
@@ -51,14 +50,6 @@ from kvservice.simulate.workload import output_token, tokens_so_far
 if TYPE_CHECKING:
     from kvservice.simulate.runner import RunState
 
-
-#: Seconds between the interpreter's forced thread switches while a paged run lasts.
-#: NOTE: the SDK's background flusher can hand back, as surplus over the reserve cap, the
-#: blocks that a step's synchronous refill fetched beyond the cap, before the step takes
-#: them (ResourceExhausted, or IndexError in the middle of the step). The flusher gets the
-#: interpreter lock only when the simulator's thread waits on an RPC or after this
-#: interval; the refill and the step it serves take far less.
-SWITCH_INTERVAL = 0.1
 
 #: The flags of the simulator's own allocator. Every lease's reserve is capped at its size
 #: under pressure (``reserve_min_blocks``, 4 blocks), which is what the default settings
@@ -116,13 +107,7 @@ class PagedMemory:
         self.shared, self.block_size, self.seed = shared, block_size, seed
         self.num_blocks = capacity_tokens // block_size
         self.capacity = self.num_blocks * block_size
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(max(self._switch_interval, SWITCH_INTERVAL))
-        try:
-            self.client = Client(target, tenant=f"sim-{uuid.uuid4().hex[:12]}", lease_ttl=120.0, local=True)
-        except BaseException:
-            sys.setswitchinterval(self._switch_interval)
-            raise
+        self.client = Client(target, tenant=f"sim-{uuid.uuid4().hex[:12]}", lease_ttl=120.0, local=True)
         self.pool = f"sim-{'shared' if shared else 'paged'}-{block_size}-{uuid.uuid4().hex[:8]}"
         try:
             self.client.register_pool(self.pool, num_blocks=self.num_blocks, block_size=block_size)
@@ -445,7 +430,4 @@ class PagedMemory:
 
     def close(self) -> None:
         """Revokes the lease (its sequences, if any, are freed with it)."""
-        try:
-            self.client.close()
-        finally:
-            sys.setswitchinterval(self._switch_interval)
+        self.client.close()
