@@ -158,8 +158,10 @@ class Client(LocalSteps):
             return self._step_local(appends, forks, frees, creates)
         return self._step_remote(appends, forks, frees, creates)
 
-    def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list) -> StepResult:
-        """A step whose ownership changes go to the allocator in one Step RPC."""
+    def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list,
+                     sync: tuple[pb.SyncRequest, list[PoolJournal], float] | None = None) -> StepResult:
+        """A step whose ownership changes go to the allocator in one Step RPC; ``sync``:
+        (local mode) a Sync it carries, applied first, and its journals and send time."""
         self._check_alive()
         if self._doubtful and not self.local and self._keeper is None:
             self._settle()       # (no keep-alive thread to do it)
@@ -201,6 +203,8 @@ class Client(LocalSteps):
                 s._num_tokens += len(tokens)
             return result
         request = pb.StepRequest(lease_id=self.lease_id, request_id=new_request_id())
+        if sync is not None:
+            request.sync.CopyFrom(sync[0])
         for s in order:
             added = len(appends.get(s, ()))
             request.updates.add(
@@ -233,6 +237,8 @@ class Client(LocalSteps):
             self._apply(response, order, appends, forks, frees, creates, failed, result, local)
             exc.result = result  # the applied pools' copies, children and creates
             raise
+        if sync is not None:
+            self._synced(response.sync, sync[1], sync[2])
         self._apply(response, order, appends, forks, frees, creates, failed, result, local)
         return result
 
@@ -372,6 +378,7 @@ class Client(LocalSteps):
             doubtful, self._doubtful = self._doubtful, []
         keep = []
         for request in doubtful:
+            request.ClearField("sync")    # (a Sync it carried is settled on its own: _unanswered)
             try:
                 reply = self.stub.Step(request, timeout=self.timeout)
             except grpc.RpcError as exc:

@@ -77,7 +77,7 @@ class LocalSteps:
         more."""
         try:
             try:
-                created = self._step_remote({}, {}, [], creates)
+                created = self._create_call(creates)
             except errors.ResourceExhausted as exc:
                 with self._lock:
                     pj = self._journals.get(exc.pool_id)
@@ -95,6 +95,22 @@ class LocalSteps:
             raise
         self._adopt(created.created)
         return created
+
+    def _create_call(self, creates: list) -> StepResult:
+        """One Step with the creates that carries the pending journal first (a ``Sync``
+        inside it), so that their prefix lookup sees the blocks the journal commits. Until
+        its answer comes, that Sync is the one to send again (``_unanswered``): if the call
+        fails, it may have been applied."""
+        with self._sync_lock:
+            if self._unanswered is not None or self._resyncing or not any(
+                    j.pending for j in self._journals.values()):
+                sync = None        # (nothing to carry, or a Sync to settle first: the flusher's)
+            else:
+                request, journals = self._build_sync()
+                self._unanswered = (request, journals)
+                sync = (request, journals, time.monotonic())
+                self._sent_at = sync[2]
+            return self._step_remote({}, {}, [], creates, sync=sync)
 
     def _adopt(self, created: list["Sequence"]) -> None:
         """New sequences join the local state (their pools' journals)."""
@@ -343,26 +359,31 @@ class LocalSteps:
                 short = recheck()
                 if not short:
                     return
-            with self._lock:
-                journals = list(self._journals.values())
-                parts = []
-                for pj in journals:
-                    if pj.resyncing:
-                        parts.append(pj.resync_request(self._claims(pj)))
-                        continue
-                    part = pj.sync_request()
-                    if short and pj.pool_id in short:
-                        blocks, numbers = short[pj.pool_id]
-                        part["need_blocks"] = blocks
-                        part["want_sequence_numbers"] = max(part["want_sequence_numbers"], numbers + pj.NUMBERS)
-                    parts.append(part)
-            # (built outside the lock: copying the entries into the message takes a while)
-            for part in parts:
-                if "journal" in part:
-                    part["journal"] = pb.JournalEntries(**part["journal"])
-            request = pb.SyncRequest(lease_id=self.lease_id, request_id=new_request_id(),
-                                     pools=[pb.PoolSync(**part) for part in parts])
-            self._exchange(request, journals, background=background)
+            self._exchange(*self._build_sync(short), background=background)
+
+    def _build_sync(self, short: dict[str, tuple[int, int]] | None = None) -> tuple[pb.SyncRequest, list[PoolJournal]]:
+        """The next Sync (under ``_sync_lock``): every pool's pending entries, refill and
+        returns, or its resync; ``short``: blocks and sequence numbers a step needs now."""
+        with self._lock:
+            journals = list(self._journals.values())
+            parts = []
+            for pj in journals:
+                if pj.resyncing:
+                    parts.append(pj.resync_request(self._claims(pj)))
+                    continue
+                part = pj.sync_request()
+                if short and pj.pool_id in short:
+                    blocks, numbers = short[pj.pool_id]
+                    part["need_blocks"] = blocks
+                    part["want_sequence_numbers"] = max(part["want_sequence_numbers"], numbers + pj.NUMBERS)
+                parts.append(part)
+        # (built outside the lock: copying the entries into the message takes a while)
+        for part in parts:
+            if "journal" in part:
+                part["journal"] = pb.JournalEntries(**part["journal"])
+        request = pb.SyncRequest(lease_id=self.lease_id, request_id=new_request_id(),
+                                 pools=[pb.PoolSync(**part) for part in parts])
+        return request, journals
 
     def _exchange(self, request: pb.SyncRequest, journals: list[PoolJournal], *, background: bool) -> bool:
         """Sends one Sync and applies its reply; returns whether it went through (the
@@ -396,6 +417,12 @@ class LocalSteps:
             if background:
                 return False
             raise err from None
+        self._synced(reply, journals, sent_at)
+        return True
+
+    def _synced(self, reply: pb.SyncResponse, journals: list[PoolJournal], sent_at: float) -> None:
+        """A Sync's answer (its own, or a create's that carried it): acknowledgements,
+        grants, resyncs; the fence moves to when it was sent."""
         self._unanswered = None
         with self._lock:
             for pj, ack in zip(journals, reply.pools):
@@ -405,7 +432,6 @@ class LocalSteps:
                     pj.synced(ack)
             self._resyncing = any(j.resyncing for j in self._journals.values())
             self._alive_until = sent_at + fence_seconds(self.lease.ttl_seconds)
-        return True
 
     def _claims(self, pj: PoolJournal) -> list[pb.SequenceClaim]:
         """Every live sequence of the pool as this client holds it (for a resync)."""

@@ -82,6 +82,45 @@ def test_a_block_committed_locally_is_a_prefix_hit_for_another_client_after_the_
     assert audit(server.redis_url) == []
 
 
+def test_a_create_carries_the_pending_journal_first_and_hits_the_blocks_it_commits(server):
+    # No flush and no flusher Sync in between (a long flush interval): the create's one RPC
+    # applies the journal (the blocks that filled, committed), then looks the prompt up.
+    with Client(server.target, tenant="t1", local=True, flush_interval=3600.0) as c:
+        c.register_pool("p0", num_blocks=100, block_size=BS)
+        tokens = [5, 6, 7, 8, 9, 10]
+        s = c.create(tokens)
+        c.flush()
+        s.append([11, 12, 13, 14, 15, 16])          # blocks 1 and 2 fill: one commit pending
+        s.append([17])                              # (its next block: the GROW entry commits them)
+        pending_before = sum(j.pending for j in c._journals.values())
+        rpcs = c.rpc_count
+        hit = c.create(tokens + [11, 12, 13, 14, 15, 16, 99])
+        assert pending_before > 0 and c.rpc_count == rpcs + 1
+        assert sum(j.pending for j in c._journals.values()) == 0     # acknowledged by the create's reply
+        assert hit.num_cached_tokens == 12
+        assert hit.block_table[:3] == s.block_table[:3]
+        _agree(c, [s, hit])
+    assert audit(server.redis_url) == []
+
+
+def test_a_step_whose_sync_belongs_to_another_lease_is_refused_and_changes_nothing(server):
+    import grpc
+    from kvservice.v1 import allocator_pb2 as pb
+
+    with Client(server.target, tenant="t1", local=True) as a, Client(server.target, tenant="t2") as b:
+        a.register_pool("p0", num_blocks=100, block_size=BS)
+        request = pb.StepRequest(lease_id=b.lease_id, request_id="r1",
+                                 creates=[pb.CreateOp(token_ids=[1, 2, 3], pool_id="p0")])
+        request.sync.lease_id = a.lease_id
+        request.sync.request_id = "r2"
+        with pytest.raises(grpc.RpcError) as err:
+            b.stub.Step(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sync must be of the step's own lease" in err.value.details()
+        assert stats(server.redis_url, "p0").get("sequences_created", 0) == 0
+    assert audit(server.redis_url) == []
+
+
 def test_fork_then_writes_copy_the_shared_block_once_and_at_once(server):
     with Client(server.target, tenant="t1", local=True) as c:
         c.register_pool("p0", num_blocks=100, block_size=BS)

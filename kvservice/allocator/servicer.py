@@ -9,6 +9,7 @@ from kvservice.allocator.core import Allocator
 from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant,
                                         ReserveRequest, SeqDelta, SeqState, SequenceClaim, StepOutcome, Update)
 from kvservice.common.geometry import Geometry
+from kvservice.common.settings import echo
 from kvservice.errors import InvalidArgument
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
@@ -125,11 +126,22 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return seq_to_pb(out.created[0])
 
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        synced = None
+        if request.HasField("sync"):    # the lease's pending journal first (local mode's creates)
+            if request.sync.lease_id != request.lease_id:
+                raise InvalidArgument("a step's sync must be of the step's own lease "
+                                             f"({echo(request.sync.lease_id)} is not {echo(request.lease_id)})")
+            if request.sync.request_id and request.sync.request_id == request.request_id:
+                raise InvalidArgument("a step and its sync need request ids of their own")
+            synced = await self.Sync(request.sync, context)
         # SeqUpdate messages carry the fields of model.Update under the same names: they
         # go to the allocator as they are (no copy on the decode hot path).
         out = await self.a.step(request.lease_id, request.updates,
                                 [create_from_pb(c) for c in request.creates], request.request_id)
-        return outcome_to_pb(out)
+        reply = outcome_to_pb(out)
+        if synced is not None:
+            reply.sync.CopyFrom(synced)
+        return reply
 
     async def ForkSequence(self, request: pb.ForkSequenceRequest, context: Any) -> pb.Sequence:
         update = Update(request.sequence_id, request.num_tokens or -1, fork_grow_to=(0,))
