@@ -98,13 +98,14 @@ class LocalSteps:
 
     def _create_call(self, creates: list) -> StepResult:
         """One Step with the creates that carries the pending journal first (a ``Sync``
-        inside it), so that their prefix lookup sees the blocks the journal commits. Until
+        inside it) when the journal commits blocks, so that their prefix lookup sees them
+        (the journal's other changes cannot add a hit: it travels on its own then). Until
         its answer comes, that Sync is the one to send again (``_unanswered``): if the call
         fails, it may have been applied."""
         with self._sync_lock:
             if self._unanswered is not None or self._resyncing or not any(
-                    j.pending for j in self._journals.values()):
-                sync = None        # (nothing to carry, or a Sync to settle first: the flusher's)
+                    any(j.num_commits) for j in self._journals.values()):
+                sync = None        # (no commit to carry, or a Sync to settle first: the flusher's)
             else:
                 request, journals = self._build_sync()
                 self._unanswered = (request, journals)
