@@ -69,12 +69,11 @@ class LocalSteps:
         return result
 
     def _create_local(self, creates: list) -> StepResult:
-        """The step's creates, in one call; the new sequences join the local state. The
-        prefix lookup needs no pending change applied first (a pending commit can only make
-        it miss, a pending free only leave a block referenced a little longer); the pool's
-        capacity may: refused, the lease gives its reserve back in the refusing pool (a
-        create cannot take reserved blocks), the journal is flushed and the call made once
-        more."""
+        """The step's creates, in one call (``_create_call``: with the pending commits
+        first); the new sequences join the local state. A pending free only leaves a block
+        referenced a little longer, but the pool's capacity may need it: refused, the lease
+        gives its reserve back in the refusing pool (a create cannot take reserved blocks),
+        the journal is flushed and the call made once more."""
         try:
             try:
                 created = self._create_call(creates)
