@@ -118,6 +118,8 @@ def test_a_step_whose_sync_belongs_to_another_lease_is_refused_and_changes_nothi
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sync must be of the step's own lease" in err.value.details()
         assert stats(server.redis_url, "p0").get("sequences_created", 0) == 0
+        b.create([1, 2, 3], pool="p0")               # (the counter counts what a step creates)
+        assert stats(server.redis_url, "p0")["sequences_created"] == 1
     assert audit(server.redis_url) == []
 
 
