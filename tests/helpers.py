@@ -159,3 +159,29 @@ def journal_entries(entries) -> pb.JournalEntries:
         if e["commits"]:
             j.parent_hashes += e["parent_hash"]
     return j
+
+
+def sdk_call(client, handles: dict, pool: str, how: str, appends: dict, forks: dict, frees: list,
+             creates: list) -> tuple[Any, Any, Any]:
+    """One change through the SDK entry point a caller would use: ``Client.create``,
+    ``Sequence.append`` / ``fork`` / ``free`` for ``how`` in create / append / fork / free
+    (one change each), else one ``Client.step``; ``handles``: sequence id -> Sequence,
+    ``creates``: (family, tokens) pairs. Returns (the StepResult of an append or a step, the
+    created sequence, the forked child), None where there is none."""
+    result = made = child = None
+    if how == "create":
+        made = client.create(creates[0][1], pool=pool)
+    elif how == "append":
+        (sid, tokens), = appends.items()
+        result = handles[sid].append(tokens)
+    elif how == "fork":
+        (sid, kids), = forks.items()
+        child = handles[sid].fork(kids[0])
+    elif how == "free":
+        handles[frees[0]].free()
+    else:
+        result = client.step({handles[s]: t for s, t in appends.items()},
+                             forks={handles[s]: k for s, k in forks.items()},
+                             frees=[handles[s] for s in frees],
+                             creates=[(t, pool, b"") for _, t in creates])
+    return result, made, child

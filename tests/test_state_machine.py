@@ -63,7 +63,7 @@ from kvservice.allocator import keys
 from kvservice.common import hashing
 from kvservice.client import Client
 
-from helpers import ServerThread, audit
+from helpers import ServerThread, audit, sdk_call
 
 BS = 4
 NUM_BLOCKS = 32
@@ -504,21 +504,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         before = {sid: sdk_state(x) for sid, x in h.items() if x.client is c}
         result = None
         try:
-            if how == "create":
-                made = c.create(creates[0][1], pool=self.pool)
-            elif how == "append":
-                (sid, tokens), = appends.items()
-                result = h[sid].append(tokens)
-            elif how == "fork":
-                (sid, kids), = forks.items()
-                child = h[sid].fork(kids[0])
-            elif how == "free":
-                h[frees[0]].free()
-            else:
-                result = c.step({h[s]: t for s, t in appends.items()},
-                                forks={h[s]: k for s, k in forks.items()},
-                                frees=[h[s] for s in frees],
-                                creates=[(t, self.pool, b"") for _, t in creates])
+            result, made, child = sdk_call(c, h, self.pool, how, appends, forks, frees, creates)
         except errors.ResourceExhausted as e:
             assert exp.model is None, f"unexpected RESOURCE_EXHAUSTED: {e.message}"
             assert (e.needed, e.available, e.pool_id) == (exp.needed, exp.available, self.pool)

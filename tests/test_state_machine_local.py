@@ -79,7 +79,7 @@ from kvservice import errors
 from kvservice.client import Client
 
 from fault_server import FaultyServer
-from helpers import TEST_SETTINGS, audit
+from helpers import TEST_SETTINGS, audit, sdk_call
 from local_model import BS, Model, MSeq, chain, last_hash, num_blocks
 from test_state_machine import make_prompt
 
@@ -234,21 +234,11 @@ class LocalMachine(RuleBasedStateMachine):
         result, children, created = None, {}, []
         rpcs = c.rpc_count
         try:
-            if how == "create":
-                created = [c.create(creates[0][1], pool=self.pool)]
-            elif how == "append":
-                (sid, tokens), = appends.items()
-                result = h[sid].append(tokens)
-            elif how == "fork":
-                (sid, (tokens,)), = forks.items()
-                children = {sid: [h[sid].fork(tokens)]}
-            elif how == "free":
-                h[frees[0]].free()
-            else:
-                result = c.step({h[s]: t for s, t in appends.items()},
-                                forks={h[s]: k for s, k in forks.items()},
-                                frees=[h[s] for s in frees],
-                                creates=[(t, self.pool, b"") for _, t in creates])
+            result, made, child = sdk_call(c, h, self.pool, how, appends, forks, frees, creates)
+            if made is not None:
+                created = [made]
+            if child is not None:
+                children = {next(iter(forks)): [child]}
         except errors.ResourceExhausted as e:
             assert e.pool_id == self.pool, e.pool_id
             assert e.needed > e.available, (e.needed, e.available, e.message)
