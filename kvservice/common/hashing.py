@@ -70,12 +70,7 @@ def chain_hashes(parent: bytes, token_ids, block_size: int, num_blocks: int) -> 
     """Hashes of the first ``num_blocks`` full blocks of ``token_ids`` (ids, or their
     bytes from ``token_bytes_checked``), chained from ``parent``."""
     data = token_ids if isinstance(token_ids, bytes) else _token_bytes(token_ids)
-    width = 4 * block_size
-    out = []
-    for i in range(num_blocks):
-        parent = blake2b(parent + data[i * width:(i + 1) * width], digest_size=HASH_BYTES).digest()
-        out.append(parent)
-    return out
+    return chain_runs(parent, data, block_size, [num_blocks])
 
 
 def chain_runs(parents: bytes, data: bytes, block_size: int, runs: list[int]) -> list[bytes]:
