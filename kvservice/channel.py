@@ -22,6 +22,7 @@ from typing import Iterable
 
 import grpc
 
+from kvservice.common.security import ClientCredentials
 from kvservice.v1 import allocator_pb2
 
 SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["Allocator"].full_name
@@ -109,9 +110,12 @@ def channel_options(retry_budget: float) -> list[tuple[str, int | str]]:
             ("grpc.max_reconnect_backoff_ms", reconnect_ms)]
 
 
-def open_channel(target: str | Iterable[str], retry_budget: float) -> grpc.Channel:
-    """An insecure channel to every replica in ``target`` (see ``parse_targets``)."""
-    return grpc.insecure_channel(channel_target(parse_targets(target)), options=channel_options(retry_budget))
+def open_channel(target: str | Iterable[str], retry_budget: float,
+                 credentials: ClientCredentials | None = None) -> grpc.Channel:
+    """A channel to every replica in ``target`` (see ``parse_targets``), with
+    ``credentials`` (a bearer token, TLS; default: none, plaintext)."""
+    creds = credentials or ClientCredentials()
+    return creds.channel(channel_target(parse_targets(target)), channel_options(retry_budget))
 
 
 def _resolve(address: str) -> list[tuple[str, int]]:

@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, up, audit, health, bench, demo, simulate."""
+"""``kvservice`` command line: serve, up, token, audit, health, bench, demo, simulate."""
 
 from __future__ import annotations
 
@@ -23,7 +23,31 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(settings, port_file=args.port_file))
+    try:
+        asyncio.run(serve(settings, port_file=args.port_file))
+    except (OSError, ValueError) as exc:
+        print(f"kvservice serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from kvservice.common.auth import add_token, revoke_tokens
+
+    try:
+        if args.action == "add":
+            token = add_token(args.file, args.name, args.role)
+            print(token)
+            print(f"kvservice token: issued a {args.role} token for {args.name} (its hash is in {args.file}; "
+                  f"the token itself is printed only here)", file=sys.stderr)
+        else:
+            n = revoke_tokens(args.file, args.name)
+            print(f"kvservice token: revoked {n} token(s) of {args.name} in {args.file}", file=sys.stderr)
+            if not n:
+                return 1
+    except (OSError, ValueError) as exc:
+        print(f"kvservice token: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -153,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     Settings.add_arguments(p)
     p.add_argument("--port-file", help="write the bound port and the Redis URL to this file once serving")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("token", help="issue or revoke a bearer token in a tokens file (docs/security.md)")
+    p.add_argument("action", choices=("add", "revoke"), help="add: issue a token (printed once); "
+                                                            "revoke: remove every token of NAME")
+    p.add_argument("name", help="the identity: a tenant name, a worker's pool id, or an admin's name")
+    p.add_argument("role", nargs="?", default="tenant", choices=("tenant", "worker", "admin"),
+                   help="the identity's role (add only; default tenant)")
+    p.add_argument("--file", required=True, help="the tokens file (the allocator's --tokens-file)")
+    p.set_defaults(func=_token)
 
     p = sub.add_parser("audit", help="check the allocator's invariants on a live Redis; exit 1 if broken")
     p.add_argument("--redis-url", default="", help="Redis URL (default $KVSERVICE_REDIS_URL)")

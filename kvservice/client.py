@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import defaultdict
@@ -35,6 +36,7 @@ import grpc
 from kvservice import errors
 from kvservice.channel import open_channel
 from kvservice.common.geometry import Geometry
+from kvservice.common.security import ClientCredentials
 from kvservice.journal import PoolJournal
 from kvservice.local import LocalSteps
 from kvservice.rpc import RESENT, fence_seconds, new_request_id, to_domain_error
@@ -53,7 +55,14 @@ class Client(LocalSteps):
             list of ``host:port`` (or one gRPC target, e.g. ``dns:///name:port``). Calls go
             to any replica that is up (gRPC's ``round_robin``) and are resent unchanged,
             same request id, when their replica fails (``kvservice.channel``).
-        tenant: the tenant name (prefix-cache salt).
+        tenant: the tenant to grant the lease to. Empty: the caller's authenticated
+            identity (a server that authenticates nobody uses "default"); naming another
+            tenant than one's own is refused (PERMISSION_DENIED).
+        token: the bearer token that authenticates this client (default:
+            ``KVSERVICE_TOKEN``, or the file ``KVSERVICE_TOKEN_FILE``).
+        credentials: token and TLS files together (default: from the ``KVSERVICE_*``
+            variables, see ``kvservice.common.security.ClientCredentials``); ``token``
+            overrides its token.
         lease_ttl: seconds the allocator waits after the last keep-alive before freeing
             every sequence of this client.
         timeout: per-RPC deadline in seconds.
@@ -63,12 +72,16 @@ class Client(LocalSteps):
             than a replica's restart.
     """
 
-    def __init__(self, target: str | list[str], *, tenant: str = "default", lease_ttl: float = 10.0,
+    def __init__(self, target: str | list[str], *, tenant: str = "", lease_ttl: float = 10.0,
                  timeout: float = 10.0, keepalive: bool = True, local: bool = False,
-                 flush_interval: float = 0.005, retry_budget: float = 5.0) -> None:
+                 flush_interval: float = 0.005, retry_budget: float = 5.0, token: str | None = None,
+                 credentials: ClientCredentials | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = open_channel(target, retry_budget)
+        creds = credentials or ClientCredentials.from_env()
+        if token is not None:
+            creds = dataclasses.replace(creds, token=token)
+        self.channel = open_channel(target, retry_budget, creds)
         self.stub = pb_grpc.AllocatorStub(self.channel)
         self.rpc_count = 0          # RPCs made on the caller's thread, keep-alives excepted
         self.closed = False

@@ -18,7 +18,10 @@ FAILED_PRECONDITION    FAILED_PRECONDITION  a call out of order (e.g. an append 
                                             shared block without a step)
 LEASE_EXPIRED          FAILED_PRECONDITION  the lease expired or was revoked
 EPOCH_CHANGED          FAILED_PRECONDITION  the pool was re-registered since (new epoch)
-PERMISSION_DENIED      PERMISSION_DENIED    a sequence of another lease
+PERMISSION_DENIED      PERMISSION_DENIED    a sequence of another lease; a lease of another
+                                            tenant; a call the caller's role may not make
+UNAUTHENTICATED        UNAUTHENTICATED      no credentials, or credentials the server does not
+                                            know
 BLOCKS_EXHAUSTED       RESOURCE_EXHAUSTED   not enough free + evictable blocks in a pool
 UNAVAILABLE            UNAVAILABLE          the allocator (or its Redis) cannot be reached
 DEADLINE_EXCEEDED      DEADLINE_EXCEEDED    the call's deadline passed
@@ -90,10 +93,19 @@ class LeaseExpired(FailedPrecondition):
 
 
 class PermissionDenied(KvsError):
-    """A sequence named under a lease that does not own it."""
+    """A sequence named under a lease that does not own it, a lease of another tenant, or
+    a call that the caller's role may not make (docs/security.md)."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
     reason = "PERMISSION_DENIED"
+
+
+class Unauthenticated(KvsError):
+    """The call carried no credentials, or credentials that the server does not know (an
+    unknown or revoked token, a client certificate it does not trust)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
 
 
 class Unavailable(KvsError):
@@ -135,6 +147,7 @@ BY_CODE_NAME: dict[str, type[KvsError]] = {
     "INVALID_ARGUMENT": InvalidArgument,
     "FAILED_PRECONDITION": FailedPrecondition,
     "PERMISSION_DENIED": PermissionDenied,
+    "UNAUTHENTICATED": Unauthenticated,
     "RESOURCE_EXHAUSTED": ResourceExhausted,
     "UNAVAILABLE": Unavailable,
     "DEADLINE_EXCEEDED": DeadlineExceeded,
@@ -144,4 +157,4 @@ BY_STATUS: dict[grpc.StatusCode, type[KvsError]] = {cls.code: cls for cls in BY_
 
 #: Every ErrorInfo reason the service sends (documented in docs/allocator.md).
 REASONS = ("NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "LEASE_EXPIRED", "EPOCH_CHANGED",
-           "PERMISSION_DENIED", "BLOCKS_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL")
+           "PERMISSION_DENIED", "UNAUTHENTICATED", "BLOCKS_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL")

@@ -79,17 +79,19 @@ class ServerThread(LoopThread):
     """A real grpc.aio allocator server on 127.0.0.1:0, in its own thread and event loop."""
 
     def __init__(self, redis_url: str, settings: Settings = TEST_SETTINGS, *, reap: bool = True,
-                 interceptors: tuple = ()) -> None:
+                 interceptors: tuple = (), tokens: Any = None) -> None:
         super().__init__()
         self.redis_url = redis_url
         self.settings = settings
         self.reap = reap
         self.interceptors = tuple(interceptors)   # (outside the error interceptor)
+        self.tokens = tokens                      # a TokenFile: every call authenticated
 
     async def serve(self) -> None:
         self.store = Store(connect(self.redis_url))
         self.allocator = Allocator(self.store, self.settings)
-        self.server, self.port = await create_server(self.allocator, "127.0.0.1:0", outer=self.interceptors)
+        self.server, self.port = await create_server(self.allocator, "127.0.0.1:0", outer=self.interceptors,
+                                                     tokens=self.tokens)
         await self.server.start()
         self._sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval)) if self.reap else None
 

@@ -51,6 +51,9 @@ class Settings(EnvSettings):
     #: Seconds the metrics exporter lease lasts without a scrape (see docs/operations.md).
     metrics_exporter_ttl: float = 30.0
     log_level: str = "INFO"
+    #: The tokens file (docs/security.md): hashed bearer tokens -> identity and role.
+    #: Empty, and no ``tls_client_ca``: nobody is authenticated (a development server).
+    tokens_file: str = ""
 
     def __post_init__(self) -> None:
         check_ports(self)

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvservice.allocator.access import ROLES
 from kvservice.allocator.config import Settings
 from kvservice.allocator.core import Allocator
 from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.allocator.metrics import AllocatorMetrics
 from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
 from kvservice.allocator.store import Store, connect
+from kvservice.common.auth import AuthInterceptor, TokenFile
 from kvservice.common.grpc import build_server, write_port_file
 from kvservice.common.interceptor import ErrorInterceptor
 from kvservice.common.metrics import MetricsServer
@@ -26,14 +28,18 @@ SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["Allocator"].full_name
 
 
 async def create_server(allocator: Allocator, address: str, metrics: AllocatorMetrics | None = None,
-                        outer: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> tuple[grpc.aio.Server, int]:
+                        outer: tuple[grpc.aio.ServerInterceptor, ...] = (),
+                        tokens: TokenFile | None = None) -> tuple[grpc.aio.Server, int]:
     """A not-yet-started server with the allocator, health and reflection services.
 
     Returns the server and the bound port (``address`` may end in ``:0``). With
     ``metrics``, every call is timed into its RPC histogram. ``outer``: interceptors that
-    run before the others (tests use them to lose replies).
+    run before the others (tests use them to lose replies). With ``tokens``, every
+    Allocator call is authenticated and checked against the role table (``access.ROLES``).
     """
     interceptors: list[grpc.aio.ServerInterceptor] = [*outer, ErrorInterceptor(outcome_to_pb)]
+    if tokens is not None:
+        interceptors.insert(len(outer), AuthInterceptor(ROLES, tokens))
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor)
     server, port, _ = await build_server(
@@ -69,6 +75,7 @@ class Running:
 async def running(settings: Settings):
     """Runs an allocator server (and an embedded Redis if no URL is set) with its
     /metrics endpoint (unless ``metrics_port`` is -1); yields a ``Running``."""
+    tokens = TokenFile(settings.tokens_file) if settings.tokens_file else None   # (before anything starts)
     embedded = None
     url = settings.redis_url
     if not url:
@@ -81,7 +88,7 @@ async def running(settings: Settings):
     if settings.metrics_port >= 0:
         metrics = AllocatorMetrics(allocator, asyncio.get_running_loop(), settings.metrics_exporter_ttl)
         store.observe = metrics.observe_script
-    server, port = await create_server(allocator, f"{settings.host}:{settings.port}", metrics)
+    server, port = await create_server(allocator, f"{settings.host}:{settings.port}", metrics, tokens=tokens)
     await server.start()
     if metrics is not None:
         http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvservice.allocator.access import Access
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.core import Allocator
 from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant,
@@ -90,10 +91,12 @@ def create_from_pb(c: Any) -> Create:
 class AllocatorServicer(pb_grpc.AllocatorServicer):
     def __init__(self, allocator: Allocator) -> None:
         self.a = allocator
+        self.access = Access(allocator.store)
 
     async def RegisterPool(self, request: pb.RegisterPoolRequest, context: Any) -> pb.Pool:
         if not request.HasField("geometry"):
             raise InvalidArgument("geometry is required")
+        Access.pool(request.pool_id, "RegisterPool")
         info = await self.a.register_pool(request.pool_id, Geometry.from_pb(request.geometry), request.worker_address,
                                           request.request_id)
         return pool_to_pb(await self.a.describe_pool(info.pool_id))
@@ -102,30 +105,37 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.ListPoolsResponse(pools=[pool_to_pb(p) for p in await self.a.list_pools()])
 
     async def DescribePool(self, request: pb.DescribePoolRequest, context: Any) -> pb.Pool:
+        Access.pool(request.pool_id, "DescribePool")
         return pool_to_pb(await self.a.describe_pool(request.pool_id))
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest, context: Any) -> pb.PoolStats:
         return stats_to_pb(await self.a.describe_pool(request.pool_id))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        Access.pool(request.pool_id, "Heartbeat")
         epoch, now = await self.a.heartbeat(request.pool_id, request.epoch)
         return pb.HeartbeatResponse(epoch=epoch, heartbeat_at_ms=now)
 
     async def GrantLease(self, request: pb.GrantLeaseRequest, context: Any) -> pb.Lease:
-        return lease_to_pb(await self.a.grant_lease(request.tenant, request.ttl_seconds, request.request_id))
+        tenant = Access.grant_tenant(request.tenant)
+        return lease_to_pb(await self.a.grant_lease(tenant, request.ttl_seconds, request.request_id))
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.Lease:
+        await self.access.lease(request.lease_id)
         return lease_to_pb(await self.a.keep_alive(request.lease_id))
 
     async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: Any) -> pb.RevokeLeaseResponse:
+        await self.access.lease(request.lease_id)
         return pb.RevokeLeaseResponse(num_sequences_freed=await self.a.revoke_lease(request.lease_id))
 
     async def CreateSequence(self, request: pb.CreateSequenceRequest, context: Any) -> pb.Sequence:
+        await self.access.lease(request.lease_id)
         create = Create(request.token_ids, request.pool_id, request.extra_key)
         out = await self.a.step(request.lease_id, [], [create], request.request_id)
         return seq_to_pb(out.created[0])
 
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        await self.access.lease(request.lease_id)
         synced = None
         if request.HasField("sync"):    # the lease's pending journal first (local mode's creates)
             if request.sync.lease_id != request.lease_id:
@@ -133,7 +143,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                                              f"({echo(request.sync.lease_id)} is not {echo(request.lease_id)})")
             if request.sync.request_id and request.sync.request_id == request.request_id:
                 raise InvalidArgument("a step and its sync need request ids of their own")
-            synced = await self.Sync(request.sync, context)
+            synced = await self._sync(request.sync)
         # SeqUpdate messages carry the fields of model.Update under the same names: they
         # go to the allocator as they are (no copy on the decode hot path).
         out = await self.a.step(request.lease_id, request.updates,
@@ -144,6 +154,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return reply
 
     async def ForkSequence(self, request: pb.ForkSequenceRequest, context: Any) -> pb.Sequence:
+        await self.access.lease(request.lease_id)
         update = Update(request.sequence_id, request.num_tokens or -1, fork_grow_to=(0,))
         out = await self.a.step(request.lease_id, [update], [], request.request_id)
         return seq_to_pb(out.updates[0].children[0])
@@ -151,14 +162,21 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def FreeSequences(self, request: pb.FreeSequencesRequest, context: Any) -> pb.FreeSequencesResponse:
         if not request.sequence_ids:
             raise InvalidArgument("FreeSequences needs at least one sequence_id")
+        await self.access.lease(request.lease_id)
         updates = [Update(s, free=True) for s in request.sequence_ids]
         out = await self.a.step(request.lease_id, updates, [], request.request_id)
         return pb.FreeSequencesResponse(num_sequences_freed=sum(1 for d in out.updates if d and d.freed))
 
     async def GetSequence(self, request: pb.GetSequenceRequest, context: Any) -> pb.Sequence:
-        return seq_to_pb(await self.a.get_sequence(request.sequence_id))
+        state = await self.a.get_sequence(request.sequence_id)
+        await self.access.sequence(state.lease_id)
+        return seq_to_pb(state)
 
     async def Sync(self, request: pb.SyncRequest, context: Any) -> pb.SyncResponse:
+        await self.access.lease(request.lease_id)
+        return await self._sync(request)
+
+    async def _sync(self, request: pb.SyncRequest) -> pb.SyncResponse:
         pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks), p.first_entry,
                                 journal_from_pb(p.journal), p.want_sequence_numbers, p.need_blocks,
                                 resync_from_pb(p.resync) if p.HasField("resync") else None)

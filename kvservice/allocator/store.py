@@ -191,6 +191,11 @@ class Store:
         return await self._call("lease_attach", keys.lease_keys(lease_id),
                                 {"lease_id": lease_id, "pools": pools, "tombstone_ms": tombstone_ms})
 
+    async def lease_tenant(self, lease_id: str) -> str | None:
+        """The tenant a lease was granted to (None: no such lease, or its tombstone is gone)."""
+        tenant = await self.redis.hget(keys.lease_keys(lease_id)[0], "tenant")
+        return tenant.decode() if isinstance(tenant, bytes) else tenant
+
     async def revoke_lease(self, lease_id: str) -> list[str]:
         reply = await self._call("lease_revoke", keys.lease_keys(lease_id), {"lease_id": lease_id})
         return list(reply["pools"])

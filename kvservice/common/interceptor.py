@@ -116,7 +116,7 @@ class ErrorInterceptor(UnaryInterceptor):
             except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
                 undecodable.warning("%s: undecodable request of %d bytes: %s", method, len(raw),
                                     str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-                await _abort(context, errors.InvalidArgument(
+                await abort(context, errors.InvalidArgument(
                     f"the request body is not a valid {method.rsplit('/', 1)[-1]} request message ({len(raw)} bytes)"))
             return await guarded(request, context)
 
@@ -130,15 +130,15 @@ class ErrorInterceptor(UnaryInterceptor):
             try:
                 return await inner(request, context)
             except errors.KvsError as exc:
-                await _abort(context, exc, encode)
+                await abort(context, exc, encode)
             except REDIS_DOWN as exc:
                 log.warning("%s: Redis unreachable: %s", method, exc)
-                await _abort(context, errors.Unavailable(f"the allocator's Redis is unreachable: {exc}"))
+                await abort(context, errors.Unavailable(f"the allocator's Redis is unreachable: {exc}"))
 
         return guarded
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: errors.KvsError,
+async def abort(context: grpc.aio.ServicerContext, exc: errors.KvsError,
                  encode_partial: PartialEncoder | None = None) -> None:
     status = rpc_status.to_status(status_of(exc, encode_partial))
     await context.abort(status.code, status.details, status.trailing_metadata)

@@ -1,0 +1,267 @@
+"""Authentication and roles on the allocator (docs/security.md): every RPC refuses callers
+without credentials, with unknown tokens, of the wrong role or of another tenant, with
+nothing changed in Redis; the allowed callers still work; the attacks of an open service
+(lease theft through GetSequence, pool takeover, another tenant's cache salt) fail."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import pytest
+import redis
+
+from helpers import TEST_SETTINGS, ServerThread
+from kvservice import errors
+from kvservice.allocator.access import ROLES, SERVICE
+from kvservice.client import Client
+from kvservice.common.auth import TokenFile, add_token, parse_tokens, revoke_tokens
+from kvservice.v1 import allocator_pb2 as pb
+from kvservice.v1 import allocator_pb2_grpc as pb_grpc
+
+GEOMETRY = pb.PoolGeometry(num_blocks=256, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["Allocator"].methods]
+
+
+@pytest.fixture
+def secured(redis_url, tmp_path):
+    """An allocator that authenticates every call; tokens of two tenants, a worker (pool
+    "pool-a"), an admin; pool-a registered by its worker, pool-b by the admin."""
+    path = str(tmp_path / "tokens")
+    tokens = {name: add_token(path, name, role) for name, role in
+              (("acme", "tenant"), ("globex", "tenant"), ("pool-a", "worker"), ("ops", "admin"))}
+    with ServerThread(redis_url, TEST_SETTINGS, reap=False, tokens=TokenFile(path)) as server:
+        channel = grpc.insecure_channel(server.target)
+        stub = pb_grpc.AllocatorStub(channel)
+        s = type("Secured", (), {})()
+        s.server, s.stub, s.tokens, s.path, s.redis_url = server, stub, tokens, path, redis_url
+        s.call = lambda method, request, who=None: getattr(stub, method)(
+            request, timeout=10, metadata=_auth(tokens.get(who, who)) if who else None)
+        s.epoch = s.call("RegisterPool", pb.RegisterPoolRequest(pool_id="pool-a", geometry=GEOMETRY),
+                         "pool-a").epoch
+        s.call("RegisterPool", pb.RegisterPoolRequest(pool_id="pool-b", geometry=GEOMETRY), "ops")
+        s.lease = s.call("GrantLease", pb.GrantLeaseRequest(ttl_seconds=60), "acme").lease_id
+        s.seq = s.call("CreateSequence", pb.CreateSequenceRequest(
+            lease_id=s.lease, token_ids=list(range(10)), pool_id="pool-a"), "acme").sequence_id
+        yield s
+        channel.close()
+
+
+def _auth(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def _requests(s) -> dict[str, object]:
+    """A valid request of every method, as acme (or pool-a's worker) would send it."""
+    lease, seq = s.lease, s.seq
+    return {
+        "RegisterPool": pb.RegisterPoolRequest(pool_id="pool-a", geometry=GEOMETRY),
+        "ListPools": pb.ListPoolsRequest(),
+        "DescribePool": pb.DescribePoolRequest(pool_id="pool-a"),
+        "GetPoolStats": pb.GetPoolStatsRequest(pool_id="pool-a"),
+        "Heartbeat": pb.HeartbeatRequest(pool_id="pool-a", epoch=s.epoch),
+        "GrantLease": pb.GrantLeaseRequest(tenant="acme", ttl_seconds=30),
+        "KeepAlive": pb.KeepAliveRequest(lease_id=lease),
+        "RevokeLease": pb.RevokeLeaseRequest(lease_id=lease),
+        "CreateSequence": pb.CreateSequenceRequest(lease_id=lease, token_ids=[1, 2, 3], pool_id="pool-a"),
+        "Step": pb.StepRequest(lease_id=lease, updates=[pb.SeqUpdate(sequence_id=seq, num_tokens=10, grow_to=14)]),
+        "ForkSequence": pb.ForkSequenceRequest(lease_id=lease, sequence_id=seq),
+        "FreeSequences": pb.FreeSequencesRequest(lease_id=lease, sequence_ids=[seq]),
+        "GetSequence": pb.GetSequenceRequest(sequence_id=seq),
+        "Sync": pb.SyncRequest(lease_id=lease, pools=[pb.PoolSync(pool_id="pool-a", epoch=s.epoch, want_blocks=4)]),
+        "Audit": pb.AuditRequest(),
+    }
+
+
+def _keyspace(url: str) -> dict[bytes, bytes]:
+    r = redis.Redis.from_url(url)
+    try:
+        return {k: r.dump(k) for k in sorted(r.keys("*"))}
+    finally:
+        r.close()
+
+
+def _refused(s, method: str, request: object, who: str | None, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        s.call(method, request, who)
+    assert info.value.code() == code, (method, who, info.value.code(), info.value.details())
+    return info.value.details()
+
+
+def test_the_role_table_names_every_allocator_method():
+    assert sorted(m[len(SERVICE):] for m in ROLES) == sorted(METHODS)
+
+
+@pytest.mark.parametrize("who", [None, "not-a-token", "kvs_forged"], ids=["no-credentials", "bad-token", "forged"])
+def test_every_method_refuses_an_unauthenticated_caller_and_changes_nothing(secured, who):
+    before = _keyspace(secured.redis_url)
+    for method, request in _requests(secured).items():
+        _refused(secured, method, request, who, grpc.StatusCode.UNAUTHENTICATED)
+    assert _keyspace(secured.redis_url) == before
+
+
+def test_every_method_refuses_a_role_it_is_not_open_to(secured):
+    before = _keyspace(secured.redis_url)
+    checked = 0
+    for method, request in _requests(secured).items():
+        roles = ROLES[SERVICE + method]
+        for who, role in (("acme", "tenant"), ("pool-a", "worker")):
+            if role not in roles:
+                details = _refused(secured, method, request, who, grpc.StatusCode.PERMISSION_DENIED)
+                assert f"not open to the {role} role" in details
+                checked += 1
+    # 10 tenant methods refuse the worker, RegisterPool and Heartbeat the tenant, Audit both.
+    assert checked == 14
+    assert _keyspace(secured.redis_url) == before
+
+
+def test_another_tenant_cannot_use_a_lease_or_read_its_sequences(secured):
+    before = _keyspace(secured.redis_url)
+    lease_calls = ["KeepAlive", "RevokeLease", "CreateSequence", "Step", "ForkSequence", "FreeSequences",
+                   "GetSequence", "Sync", "GrantLease"]
+    requests = _requests(secured)
+    for method in lease_calls:
+        details = _refused(secured, method, requests[method], "globex", grpc.StatusCode.PERMISSION_DENIED)
+        assert secured.lease not in details, "an error must not repeat another tenant's lease id"
+    assert _keyspace(secured.redis_url) == before
+
+
+def test_a_worker_may_register_and_heartbeat_only_its_own_pool(secured):
+    before = _keyspace(secured.redis_url)
+    epoch_b = secured.call("DescribePool", pb.DescribePoolRequest(pool_id="pool-b"), "ops").epoch
+    for method, request in (
+            ("RegisterPool", pb.RegisterPoolRequest(pool_id="pool-b", geometry=GEOMETRY)),
+            ("RegisterPool", pb.RegisterPoolRequest(geometry=GEOMETRY)),        # a new pool id
+            ("Heartbeat", pb.HeartbeatRequest(pool_id="pool-b", epoch=epoch_b)),
+            ("DescribePool", pb.DescribePoolRequest(pool_id="pool-b"))):
+        details = _refused(secured, method, request, "pool-a", grpc.StatusCode.PERMISSION_DENIED)
+        assert "may only name its own pool" in details
+    assert _keyspace(secured.redis_url) == before
+    reply = secured.call("Heartbeat", pb.HeartbeatRequest(pool_id="pool-a", epoch=secured.epoch), "pool-a")
+    assert reply.epoch == secured.epoch
+
+
+def test_the_allowed_callers_still_work(secured):
+    s = secured
+    assert s.call("KeepAlive", pb.KeepAliveRequest(lease_id=s.lease), "acme").tenant == "acme"
+    got = s.call("GetSequence", pb.GetSequenceRequest(sequence_id=s.seq), "acme")
+    assert got.lease_id == s.lease and got.num_tokens == 10
+    assert s.call("GetSequence", pb.GetSequenceRequest(sequence_id=s.seq), "ops").lease_id == s.lease
+    assert s.call("Audit", pb.AuditRequest(), "ops").ok
+    assert {p.pool_id for p in s.call("ListPools", pb.ListPoolsRequest(), "acme").pools} == {"pool-a", "pool-b"}
+    # An admin may grant a lease for a tenant it names.
+    assert s.call("GrantLease", pb.GrantLeaseRequest(tenant="globex", ttl_seconds=5), "ops").tenant == "globex"
+    assert s.call("RevokeLease", pb.RevokeLeaseRequest(lease_id=s.lease), "acme").num_sequences_freed == 1
+
+
+def test_sdk_client_takes_its_tenant_from_its_token(secured):
+    s = secured
+    with Client(s.server.target, token=s.tokens["globex"], local=True) as client:
+        assert client.lease.tenant == "globex"
+        seq = client.create(list(range(9)), pool="pool-a")
+        client.step({seq: [1, 2, 3]})
+        seq.free()
+        client.flush()
+    with pytest.raises(errors.PermissionDenied, match="may not grant a lease for tenant acme"):
+        Client(s.server.target, token=s.tokens["globex"], tenant="acme")
+    with pytest.raises(errors.Unauthenticated):
+        Client(s.server.target)
+    with pytest.raises(errors.Unauthenticated, match="unknown bearer token"):
+        Client(s.server.target, token="kvs_wrong")
+
+
+def test_lease_theft_through_get_sequence_fails(secured):
+    """An open allocator answered GetSequence for anyone, with the owner's lease id; the
+    ids are sequential, so every sequence could be found and its lease taken over."""
+    s = secured
+    pool, epoch, n = s.seq.split("/")
+    for guess in range(1, int(n) + 5):
+        with pytest.raises(grpc.RpcError) as info:
+            s.call("GetSequence", pb.GetSequenceRequest(sequence_id=f"{pool}/{epoch}/{guess}"), "globex")
+        assert info.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
+        assert s.lease not in info.value.details()
+    # Even knowing the lease id, globex can do nothing with it.
+    with pytest.raises(grpc.RpcError) as info:
+        s.call("KeepAlive", pb.KeepAliveRequest(lease_id=s.lease), "globex")
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_pool_takeover_fails(secured):
+    """Re-registering a pool wipes it and may point its worker_address anywhere: only its
+    own worker (or an admin) may."""
+    s = secured
+    before = _keyspace(s.redis_url)
+    for who in ("acme", "globex"):
+        _refused(s, "RegisterPool", pb.RegisterPoolRequest(pool_id="pool-a", geometry=GEOMETRY,
+                                                           worker_address="evil:1"), who,
+                 grpc.StatusCode.PERMISSION_DENIED)
+    assert _keyspace(s.redis_url) == before
+    assert s.call("DescribePool", pb.DescribePoolRequest(pool_id="pool-a"), "acme").worker_address != "evil:1"
+
+
+def test_claiming_another_tenants_name_gets_neither_its_lease_nor_its_cache(secured):
+    s = secured
+    prompt = list(range(100, 140))
+    with Client(s.server.target, token=s.tokens["acme"]) as acme:
+        acme.create(prompt, pool="pool-a")            # cached under acme's salt
+        with pytest.raises(errors.PermissionDenied):
+            Client(s.server.target, token=s.tokens["globex"], tenant="acme")
+        with Client(s.server.target, token=s.tokens["globex"]) as globex:
+            assert globex.create(prompt, pool="pool-a").num_cached_tokens == 0
+        with Client(s.server.target, token=s.tokens["acme"]) as acme2:
+            assert acme2.create(prompt, pool="pool-a").num_cached_tokens == 36
+
+
+def test_tokens_are_issued_and_revoked_without_a_restart(secured):
+    s = secured
+    token = add_token(s.path, "initech", "tenant")
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            lease = s.call("GrantLease", pb.GrantLeaseRequest(ttl_seconds=5), token)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert time.monotonic() < deadline, "a new token was not taken within 5 s"
+            time.sleep(0.2)
+    assert lease.tenant == "initech"
+    assert revoke_tokens(s.path, "initech") == 1
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            s.call("KeepAlive", pb.KeepAliveRequest(lease_id=lease.lease_id), token)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            break
+        assert time.monotonic() < deadline, "a revoked token still worked after 5 s"
+        time.sleep(0.2)
+
+
+def test_a_broken_tokens_file_keeps_the_previous_tokens(secured):
+    s = secured
+    with open(s.path, "a") as f:
+        f.write("this is not a token line\n")
+    time.sleep(1.2)
+    assert s.call("KeepAlive", pb.KeepAliveRequest(lease_id=s.lease), "acme").tenant == "acme"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sha256:abc acme tenant\n", "expected 'sha256:<64 hex digits> <name> <role>'"),
+    ("sha256:" + "a" * 64 + " acme emperor\n", "unknown role 'emperor'"),
+    ("sha256:" + "a" * 64 + " -acme tenant\n", "malformed identity name"),
+    (("sha256:" + "a" * 64 + " acme tenant\n") * 2, "listed twice"),
+])
+def test_malformed_tokens_files_are_refused_with_the_line(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_tokens(text, "tokens")
+    assert str(info.value).startswith("tokens:")
+
+
+def test_the_tokens_file_holds_no_token_and_is_private(tmp_path):
+    path = str(tmp_path / "tokens")
+    token = add_token(path, "acme", "tenant")
+    text = open(path).read()
+    assert token not in text and text.startswith("sha256:")
+    assert os.stat(path).st_mode & 0o077 == 0
+    assert TokenFile(path).lookup(token).name == "acme"
