@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, up, token, audit, health, bench, demo, simulate."""
+"""``kvservice`` command line: serve, up, token, certs, audit, health, bench, demo, simulate."""
 
 from __future__ import annotations
 
@@ -48,6 +48,21 @@ def _token(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvservice token: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from kvservice.tools.certs import make_certs, parse_client
+
+    try:
+        written = make_certs(args.directory, args.host, [parse_client(c) for c in args.client], keep=args.keep)
+    except (OSError, ValueError) as exc:
+        print(f"kvservice certs: {exc}", file=sys.stderr)
+        return 2
+    if written:
+        print(f"kvservice certs: wrote {', '.join(written)} in {args.directory}")
+    else:
+        print(f"kvservice certs: {args.directory} holds a CA already; nothing written (--keep)")
     return 0
 
 
@@ -103,8 +118,10 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvservice.common.security import ClientCredentials
+
     try:
-        with grpc.insecure_channel(args.target) as channel:
+        with ClientCredentials.from_env().channel(args.target) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
     except grpc.RpcError as exc:
@@ -187,13 +204,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", required=True, help="the tokens file (the allocator's --tokens-file)")
     p.set_defaults(func=_token)
 
+    p = sub.add_parser("certs", help="make a development CA, a server certificate and client certificates "
+                                     "(throwaway TLS credentials; docs/security.md)")
+    p.add_argument("directory", help="where to write them (made if missing)")
+    p.add_argument("--host", action="append", default=[],
+                   help="another name or address of the servers (repeatable; localhost and loopback always)")
+    p.add_argument("--client", action="append", default=[], metavar="NAME:ROLE",
+                   help="a client certificate for this identity (repeatable), e.g. acme:tenant, pool-0:worker")
+    p.add_argument("--keep", action="store_true", help="write nothing if DIR holds a CA already")
+    p.set_defaults(func=_certs)
+
     p = sub.add_parser("audit", help="check the allocator's invariants on a live Redis; exit 1 if broken")
     p.add_argument("--redis-url", default="", help="Redis URL (default $KVSERVICE_REDIS_URL)")
     p.add_argument("--pool", default="", help="audit one pool (default: every pool)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
     p.set_defaults(func=_audit)
 
-    p = sub.add_parser("health", help="ask a server (allocator or worker) for its gRPC health; exit 0 if SERVING")
+    p = sub.add_parser("health", help="ask a server (allocator or worker) for its gRPC health; exit 0 if SERVING "
+                                      "(TLS from KVSERVICE_TLS_CA, _CLIENT_CERT, _CLIENT_KEY)")
     p.add_argument("--target", default="127.0.0.1:50051", help="host:port (default 127.0.0.1:50051)")
     p.add_argument("--service", default="", help="service name to check (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")

@@ -79,19 +79,20 @@ class ServerThread(LoopThread):
     """A real grpc.aio allocator server on 127.0.0.1:0, in its own thread and event loop."""
 
     def __init__(self, redis_url: str, settings: Settings = TEST_SETTINGS, *, reap: bool = True,
-                 interceptors: tuple = (), tokens: Any = None) -> None:
+                 interceptors: tuple = (), tokens: Any = None, tls: Any = None) -> None:
         super().__init__()
         self.redis_url = redis_url
         self.settings = settings
         self.reap = reap
         self.interceptors = tuple(interceptors)   # (outside the error interceptor)
         self.tokens = tokens                      # a TokenFile: every call authenticated
+        self.tls = tls                            # a ServerTls: the port takes TLS only
 
     async def serve(self) -> None:
         self.store = Store(connect(self.redis_url))
         self.allocator = Allocator(self.store, self.settings)
         self.server, self.port = await create_server(self.allocator, "127.0.0.1:0", outer=self.interceptors,
-                                                     tokens=self.tokens)
+                                                     tokens=self.tokens, tls=self.tls)
         await self.server.start()
         self._sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval)) if self.reap else None
 
@@ -187,3 +188,15 @@ def sdk_call(client, handles: dict, pool: str, how: str, appends: dict, forks: d
                              frees=[handles[s] for s in frees],
                              creates=[(t, pool, b"") for _, t in creates])
     return result, made, child
+
+
+def keyspace(url: str) -> dict[bytes, bytes]:
+    """Every key of a Redis and its DUMP: compared before and after a refused call, it
+    shows that nothing changed."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        return {k: r.dump(k) for k in sorted(r.keys("*"))}
+    finally:
+        r.close()

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from kvservice.allocator.config import Settings
+from kvservice.common.security import CLIENT_ENV
 from kvservice.common.metrics import CATALOGUE, sample_names
 from worker.config import WorkerSettings
 
@@ -228,11 +229,12 @@ def settings_class(argv: list[str]) -> type | None:
 
 
 def env_problems(env: dict[str, str], cls: type) -> list[str]:
-    """Every ``KVSERVICE_*`` name that is not a field of ``cls`` (or belongs to the other process)."""
+    """Every ``KVSERVICE_*`` name that is not a field of ``cls`` (or belongs to the other
+    process), but the client credentials every process may read (``CLIENT_ENV``)."""
     names = {f.name for f in dataclasses.fields(cls)}
     problems = []
     for key in env:
-        if not key.startswith("KVSERVICE_"):
+        if not key.startswith("KVSERVICE_") or key in CLIENT_ENV:
             continue
         if not key.startswith(cls.env_prefix) or (cls is Settings and key.startswith(WorkerSettings.env_prefix)):
             problems.append(f"{key} is not read by {cls.__name__} (prefix {cls.env_prefix})")
@@ -402,11 +404,12 @@ def provisioned_uid() -> str:
 
 def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
     svc = services()
-    assert set(svc) == {"redis", "allocator", "prometheus", "grafana",
+    assert set(svc) == {"certs", "redis", "allocator", "prometheus", "grafana",
                         "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"}
-    # No profile: Redis, the allocator, Prometheus and Grafana; the workers come with
-    # exactly one of the profiles gpu and cpu.
-    assert {n for n, s in svc.items() if not s.get("profiles")} == {"redis", "allocator", "prometheus", "grafana"}
+    # No profile: the certificates job, Redis, the allocator, Prometheus and Grafana; the
+    # workers come with exactly one of the profiles gpu and cpu.
+    assert {n for n, s in svc.items() if not s.get("profiles")} == {"certs", "redis", "allocator", "prometheus",
+                                                                    "grafana"}
     for name, s in svc.items():
         if name.startswith("worker-"):
             assert s.get("profiles") == [name.split("-")[1]], name
@@ -414,12 +417,44 @@ def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
 
 def test_compose_builds_name_a_context_and_dockerfile_that_exist():
     builds = {n: s["build"] for n, s in services().items() if "build" in s}
-    assert set(builds) == {"allocator", "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"}
+    assert set(builds) == {"certs", "allocator", "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"}
     for name, build in builds.items():
         context = ROOT / build["context"]
         assert context.is_dir(), f"{name}: no build context {context}"
         assert (context / build["dockerfile"]).is_file(), f"{name}: no Dockerfile {build['dockerfile']}"
         assert services()[name]["pull_policy"] == "build", f"{name} may pull a registry image instead of building"
+
+
+#: Compose services that run once and exit (no health check; dependents wait for success).
+ONE_SHOT = {"certs"}
+
+
+def test_servers_take_tls_from_the_certificates_job_and_workers_present_their_own_identity():
+    svc = services()
+    module, args = parse_command(_command("certs", svc["certs"]))
+    assert args.command == "certs" and args.directory == "/certs" and args.keep
+    clients = dict(c.split(":") for c in args.client)
+    hosts = set(args.host)
+    for name, s in svc.items():
+        cmd = _command(name, s)
+        cls = settings_class(cmd) if cmd else None
+        if cls is None:
+            continue
+        assert s["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+        assert "certs:/certs:ro" in s["volumes"], name
+        settings = _settings(name, s)
+        assert (settings.tls_cert, settings.tls_key, settings.tls_client_ca) == \
+            ("/certs/server.pem", "/certs/server-key.pem", "/certs/ca.pem"), name
+        assert not settings.insecure, name
+        env = {**_image_env(s), **env_of(s)}
+        assert env["KVSERVICE_TLS_CA"] == "/certs/ca.pem", name
+        if cls is WorkerSettings:
+            # The worker's identity towards the allocator is its pool id, role worker.
+            assert env["KVSERVICE_CLIENT_CERT"] == f"/certs/{settings.pool_id}.pem", name
+            assert clients[settings.pool_id] == "worker", name
+            assert settings.allocator.split(":")[0] in hosts, name
+            assert set(network_names(name, s)) & hosts, f"{name}: no certificate name of it"
+    assert clients.get("admin") == "admin" and clients.get("engine") == "tenant"
 
 
 def _pinned(image: str) -> bool:
@@ -464,6 +499,8 @@ def test_every_command_and_health_check_parses_with_the_project_cli():
         cmd = _command(name, s)
         if cmd:
             roles[name] = settings_class(cmd)
+        if name in ONE_SHOT:
+            continue
         test = s["healthcheck"]["test"]
         if test[0] == "CMD":
             parse_command(test[1:])
@@ -483,7 +520,9 @@ def test_every_kvservice_variable_is_a_settings_field_with_a_valid_value():
         cls = settings_class(cmd) if cmd else None
         env = {**_image_env(s), **env_of(s)}
         if cls is None:
-            assert not [k for k in env if k.startswith("KVSERVICE_")], f"{name}: KVSERVICE_* on a foreign service"
+            # (a one-shot job of the project's image inherits the image's variables, unread)
+            own = env_of(s) if name in ONE_SHOT else env
+            assert not [k for k in own if k.startswith("KVSERVICE_")], f"{name}: KVSERVICE_* on a foreign service"
             continue
         assert not env_problems(env, cls), f"{name}: {env_problems(env, cls)}"
         settings_of(cmd, env)
@@ -523,6 +562,9 @@ def test_published_ports_and_health_checks_are_the_ports_the_settings_use():
 
 def test_every_service_has_a_health_check():
     for name, s in services().items():
+        if name in ONE_SHOT:
+            assert s["restart"] == "no", name
+            continue
         test = (s.get("healthcheck") or {}).get("test")
         assert test and test[0] in ("CMD", "CMD-SHELL") and not s["healthcheck"].get("disable"), name
 
@@ -870,10 +912,22 @@ def _ports(container: dict) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in container["ports"]}
 
 
-def _grpc_probes(container: dict) -> list[dict]:
+def _probe_ports(container: dict) -> list[int]:
+    """The port each probe asks: gRPC probes cannot speak TLS, so they run ``kvservice
+    health`` (which takes the container's client credentials)."""
     probes = [container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in container]
     assert {"readinessProbe", "livenessProbe"} <= set(container), container["name"]
-    return probes
+    return [health_port(p["exec"]["command"]) for p in probes]
+
+
+def _tls_from_secrets(container: dict, pod: dict, settings: Any, env: dict[str, str]) -> None:
+    """The server's TLS files and its client CA are in mounted Secrets; mTLS on."""
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+    for path in (settings.tls_cert, settings.tls_key, settings.tls_client_ca, env["KVSERVICE_TLS_CA"],
+                 env["KVSERVICE_CLIENT_CERT"], env["KVSERVICE_CLIENT_KEY"]):
+        assert mounts.get(path.rsplit("/", 1)[0]) in secrets, f"{path} is in no mounted Secret"
+    assert not settings.insecure
 
 
 def test_allocator_deployment_runs_two_replicas_with_grpc_probes_on_its_port():
@@ -886,8 +940,8 @@ def test_allocator_deployment_runs_two_replicas_with_grpc_probes_on_its_port():
     assert settings.redis_url == "redis://redis:6379/0" and settings.host == "0.0.0.0"
     ports = _ports(container)
     assert ports == {"grpc": settings.port, "metrics": settings.metrics_port}
-    for probe in _grpc_probes(container):
-        assert probe["grpc"]["port"] == ports["grpc"]
+    assert set(_probe_ports(container)) == {ports["grpc"]}
+    _tls_from_secrets(container, pod, settings, _k8s_env(container, "allocator-abc"))
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == settings.metrics_port
@@ -919,8 +973,11 @@ def test_worker_statefulset_takes_its_pool_id_from_the_pod_name_and_reserves_a_g
         ports = _ports(container)
         assert ports == {"grpc": ws.port, "metrics": ws.metrics_port}
         assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ws.metrics_port
-    for probe in _grpc_probes(container):
-        assert probe["grpc"]["port"] == _ports(container)["grpc"]
+        env = _k8s_env(container, pod_name)
+        _tls_from_secrets(container, pod, ws, env)
+        # Its identity towards the allocator: its own certificate, named after its pool id.
+        assert env["KVSERVICE_CLIENT_CERT"].endswith(f"/{ws.pool_id}.pem")
+    assert set(_probe_ports(container)) == {_ports(container)["grpc"]}
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
     assert {p["port"] for p in service["spec"]["ports"]} == set(_ports(container).values())
 

@@ -49,8 +49,9 @@ def model():
     return m
 
 
-def _check_clean(target: str) -> None:
-    with Client(target, tenant="audit", keepalive=False) as c:
+def _check_clean(stack: Stack) -> None:
+    # (the stack's admin: it may audit, and grant a lease for any tenant it names)
+    with Client(stack.target, tenant="audit", keepalive=False, credentials=stack.credentials("admin")) as c:
         audit = c.audit()
         assert audit.ok, list(audit.problems)
         used = {p.pool_id: c.pool_stats(p.pool_id).num_used_blocks for p in c.pools()}
@@ -62,7 +63,7 @@ def clean_after(request):
     yield
     for name in ("stack", "small_stack"):
         if name in request.fixturenames:
-            _check_clean(request.getfixturevalue(name).target)
+            _check_clean(request.getfixturevalue(name))
 
 
 def _prompt(rng: random.Random, length: int) -> list[int]:
@@ -80,7 +81,7 @@ def test_greedy_generation_matches_hf_generate_token_for_token_and_logits(stack,
     lengths = [1, 5, 16, 17, 33, 47, 64, 90]          # up to six blocks
     k = 8
     requests = [Request(_prompt(rng, n), max_new_tokens=k, request_id=f"g{n}") for n in lengths]
-    with Engine(stack.target, return_logits=True) as engine:
+    with Engine(stack.target, credentials=stack.credentials(), return_logits=True) as engine:
         report = engine.run(requests)
     assert report.requests == len(lengths) and report.tokens == k * len(lengths)
     assert report.steps <= k + 3                       # run together, not one after another
@@ -98,7 +99,7 @@ def test_greedy_generation_matches_hf_generate_token_for_token_and_logits(stack,
 def test_parallel_sampling_children_match_independent_runs_and_share_blocks(stack, prompt_len):
     rng = random.Random(2)
     prompt, k, n = _prompt(rng, prompt_len), 20, 4
-    with Engine(stack.target) as engine:
+    with Engine(stack.target, credentials=stack.credentials()) as engine:
         forked = engine.run([Request(prompt, max_new_tokens=k, n=n, temperature=0.9, seed=11)])
         alone = engine.run([Request(prompt, max_new_tokens=k, temperature=0.9, seed=11 + i) for i in range(n)])
     outputs = forked.completions[0].outputs
@@ -120,7 +121,7 @@ def test_second_run_hits_the_prefix_cache_and_skips_those_tokens(stack, model):
     rng = random.Random(3)
     system = _prompt(rng, 70)                           # four full blocks and a bit
     requests = [Request(system + _prompt(rng, rng.randrange(3, 30)), max_new_tokens=6) for _ in range(5)]
-    with Engine(stack.target) as engine:
+    with Engine(stack.target, credentials=stack.credentials()) as engine:
         first = engine.run(requests)
         second = engine.run(requests)
     total = sum(len(r.prompt) for r in requests)
@@ -138,9 +139,9 @@ def test_a_small_pool_completes_everything_by_waiting_and_preempting(stack, smal
     requests = [Request(_prompt(rng, rng.randrange(20, 40)), max_new_tokens=40, request_id=f"p{i}")
                 for i in range(5)]
     requests.append(Request(_prompt(rng, 30), max_new_tokens=30, n=2, temperature=0.7, seed=5, request_id="s"))
-    with Engine(stack.target) as engine:
+    with Engine(stack.target, credentials=stack.credentials()) as engine:
         roomy = engine.run(requests)
-    with Engine(small_stack.target) as engine:
+    with Engine(small_stack.target, credentials=small_stack.credentials()) as engine:
         tight = engine.run(requests)
         too_big = engine.run([Request(_prompt(rng, 200), max_new_tokens=4, request_id="huge")])
     assert roomy.preemptions == 0 and tight.failed == 0
@@ -157,7 +158,7 @@ def test_local_mode_decodes_without_allocator_calls_and_matches_the_step_path(st
     runs = {}
     for local in (True, False):
         calls: list[int] = []     # the client's RPCs on the engine's thread, after each step
-        engine = Engine(stack.target, local=local, progress=lambda p: calls.append(engine.client.rpc_count))
+        engine = Engine(stack.target, credentials=stack.credentials(), local=local, progress=lambda p: calls.append(engine.client.rpc_count))
         with engine:
             report = engine.run(requests)
         # Every create and fork is done by step 3; then the samples only decode, crossing
@@ -197,7 +198,7 @@ def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_s
     # pools whose reserves hold 4 each, so some grown blocks were granted after the dump.
     requests = [Request(_prompt(rng, n), max_new_tokens=64, request_id=f"r{n}") for n in (9, 21, 30)]
     requests.append(Request(_prompt(rng, 17), max_new_tokens=64, n=2, temperature=0.9, seed=3, request_id="s"))
-    with Engine(stack.target) as engine:
+    with Engine(stack.target, credentials=stack.credentials()) as engine:
         reference = engine.run(requests)
     r = redis_py.Redis.from_url(stack.redis.url)
     saved: dict = {}
@@ -210,7 +211,7 @@ def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_s
             engine.client.flush()          # acknowledged: then lost
             restore(r, saved)
 
-    engine = Engine(stack.target, progress=roll_back)
+    engine = Engine(stack.target, credentials=stack.credentials(), progress=roll_back)
     with engine:
         report = engine.run(requests)
         assert engine.client.resync_count >= 1

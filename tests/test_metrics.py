@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice import errors
 from kvservice.client import Client
+from kvservice.common.security import ClientCredentials
 from kvservice.engine import Engine, Request
 from kvservice.tools.launcher import AllocatorProcess
 from kvservice.allocator.embedded import EmbeddedRedis, terminate
@@ -71,6 +72,9 @@ class Up:
         self.target = re.search(r"point clients and engines at (\S+?);", text).group(1)
         self.metrics = {name: url for name, url in re.findall(r"^\s+(\S+)\s.*metrics (http://\S+/metrics)\)",
                                                                text, re.M)}
+        # The stack's throwaway credentials: its admin may grant a lease for any tenant it names.
+        creds = re.search(r"TLS \+ auth credentials in (\S+):", text).group(1)
+        self.admin = ClientCredentials(ca=f"{creds}/ca.pem", cert=f"{creds}/admin.pem", key=f"{creds}/admin-key.pem")
 
     def stop(self) -> None:
         terminate(self.proc, 30)
@@ -124,7 +128,7 @@ def _check_gauges_equal_audit(up, client: Client) -> dict[str, dict[str, float]]
 
 
 def test_pool_gauges_equal_the_audit_as_sequences_come_and_go(up):
-    with Client(up.target, tenant="gauges", keepalive=False) as c:
+    with Client(up.target, credentials=up.admin, tenant="gauges", keepalive=False) as c:
         before = _check_gauges_equal_audit(up, c)
         a = c.create(list(range(1000, 1040)), pool="worker-0")      # 3 blocks
         b = c.create(list(range(2000, 2017)), pool="worker-1")      # 2 blocks
@@ -149,7 +153,7 @@ def _delta(before: dict, after: dict, short: str, pool: str) -> float:
 def test_allocator_counters_move_by_what_the_workload_implies(up):
     url, pool = up.metrics["allocator"], "worker-1"
     m0 = scrape(url)
-    c = Client(up.target, tenant="counters", keepalive=False)
+    c = Client(up.target, credentials=up.admin, tenant="counters", keepalive=False)
     try:
         m1 = scrape(url)
         assert value(m1, "kvservice_leases_granted_total") - value(m0, "kvservice_leases_granted_total") == 1
@@ -185,7 +189,7 @@ def test_allocator_counters_move_by_what_the_workload_implies(up):
 
 def test_evictions_count_cached_blocks_taken_for_new_prompts(up):
     url, pool = up.metrics["allocator"], "worker-1"
-    with Client(up.target, tenant="evict", keepalive=False) as c:
+    with Client(up.target, credentials=up.admin, tenant="evict", keepalive=False) as c:
         m1 = scrape(url)
         free = int(pool_value(m1, "pool_free_blocks", pool))
         evictable = int(pool_value(m1, "pool_evictable_blocks", pool))
@@ -201,7 +205,7 @@ def test_evictions_count_cached_blocks_taken_for_new_prompts(up):
 def test_an_expired_lease_is_counted_as_expired_and_reaped(up):
     url, pool = up.metrics["allocator"], "worker-0"
     m1 = scrape(url)
-    c = Client(up.target, tenant="expiring", lease_ttl=0.2, keepalive=False)
+    c = Client(up.target, credentials=up.admin, tenant="expiring", lease_ttl=0.2, keepalive=False)
     c.create(list(range(300, 340)), pool=pool)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -221,7 +225,7 @@ def test_engine_run_moves_worker_and_pool_counters_consistently(up):
     system = list(range(10, 42))                               # 32 tokens: two full blocks, shared
     requests = [Request(system + [100 + i, 200 + i, 300 + i], max_new_tokens=5, n=1 + (i % 2), seed=i)
                 for i in range(6)]
-    with Engine(up.target, tenant="metrics-engine") as engine:
+    with Engine(up.target, credentials=up.admin, tenant="metrics-engine") as engine:
         report = engine.run(requests)
     after = {name: scrape(u) for name, u in urls.items()}
     assert report.failed == 0 and report.preemptions == 0 and report.requests == 6
@@ -246,7 +250,7 @@ def test_engine_run_moves_worker_and_pool_counters_consistently(up):
         assert set(w1) <= sample_names("worker") | sample_names("both")
     # Prompts once (minus cache hits), then every generated token but each sample's last.
     assert forward_tokens == report.prefill_tokens + report.tokens - samples
-    with Client(up.target, tenant="audit", keepalive=False) as c:
+    with Client(up.target, credentials=up.admin, tenant="audit", keepalive=False) as c:
         gauges = _check_gauges_equal_audit(up, c)
     assert all(g["num_used_blocks"] == 0 for g in gauges.values())
 

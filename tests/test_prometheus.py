@@ -130,7 +130,7 @@ def local_config(stack: Stack, path: Path) -> Path:
     return path
 
 
-def run_workload(target: str) -> None:
+def run_workload(stack: Stack) -> None:
     """Shared prompts (prefix-cache hits), parallel samples (fork and copy-on-write), and
     model steps on the workers; everything is freed at the end."""
     rng = random.Random(7)
@@ -138,7 +138,7 @@ def run_workload(target: str) -> None:
     requests = [Request(system + [rng.randrange(512) for _ in range(rng.randrange(3, 20))],
                         max_new_tokens=4, request_id=f"r{i}") for i in range(6)]
     requests.append(Request(system + [1, 2, 3], max_new_tokens=6, n=2, temperature=0.8, seed=3, request_id="n2"))
-    with Engine(target) as engine:
+    with Engine(stack.target, credentials=stack.credentials()) as engine:
         engine.run(requests)
         engine.run(requests[:3])
 
@@ -156,8 +156,8 @@ def scraped(tmp_path_factory):
         assert all(w.metrics_port > 0 for w in stack.workers), "a worker serves no /metrics"
         prom = Prometheus(local_config(stack, tmp / "prometheus.yml"), tmp / "data", tmp / "prometheus.log")
         prom.wait("prometheus ready", lambda: (prom.get("/-/ready") is not None, "not ready"))
-        run_workload(stack.target)
-        client = Client(stack.target, tenant="prometheus-test", lease_ttl=30)
+        run_workload(stack)
+        client = Client(stack.target, tenant="prometheus-test", lease_ttl=30, credentials=stack.credentials("admin"))
         held = [client.create(list(range(1, 41)), pool="worker-0"),     # 3 blocks of 16
                 client.create(list(range(100, 170)), pool="worker-1")]   # 5 blocks
         audit = client.audit()

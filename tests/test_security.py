@@ -10,9 +10,8 @@ import time
 
 import grpc
 import pytest
-import redis
 
-from helpers import TEST_SETTINGS, ServerThread
+from helpers import TEST_SETTINGS, ServerThread, keyspace
 from kvservice import errors
 from kvservice.allocator.access import ROLES, SERVICE
 from kvservice.client import Client
@@ -74,14 +73,6 @@ def _requests(s) -> dict[str, object]:
     }
 
 
-def _keyspace(url: str) -> dict[bytes, bytes]:
-    r = redis.Redis.from_url(url)
-    try:
-        return {k: r.dump(k) for k in sorted(r.keys("*"))}
-    finally:
-        r.close()
-
-
 def _refused(s, method: str, request: object, who: str | None, code: grpc.StatusCode) -> str:
     with pytest.raises(grpc.RpcError) as info:
         s.call(method, request, who)
@@ -95,14 +86,14 @@ def test_the_role_table_names_every_allocator_method():
 
 @pytest.mark.parametrize("who", [None, "not-a-token", "kvs_forged"], ids=["no-credentials", "bad-token", "forged"])
 def test_every_method_refuses_an_unauthenticated_caller_and_changes_nothing(secured, who):
-    before = _keyspace(secured.redis_url)
+    before = keyspace(secured.redis_url)
     for method, request in _requests(secured).items():
         _refused(secured, method, request, who, grpc.StatusCode.UNAUTHENTICATED)
-    assert _keyspace(secured.redis_url) == before
+    assert keyspace(secured.redis_url) == before
 
 
 def test_every_method_refuses_a_role_it_is_not_open_to(secured):
-    before = _keyspace(secured.redis_url)
+    before = keyspace(secured.redis_url)
     checked = 0
     for method, request in _requests(secured).items():
         roles = ROLES[SERVICE + method]
@@ -113,22 +104,22 @@ def test_every_method_refuses_a_role_it_is_not_open_to(secured):
                 checked += 1
     # 10 tenant methods refuse the worker, RegisterPool and Heartbeat the tenant, Audit both.
     assert checked == 14
-    assert _keyspace(secured.redis_url) == before
+    assert keyspace(secured.redis_url) == before
 
 
 def test_another_tenant_cannot_use_a_lease_or_read_its_sequences(secured):
-    before = _keyspace(secured.redis_url)
+    before = keyspace(secured.redis_url)
     lease_calls = ["KeepAlive", "RevokeLease", "CreateSequence", "Step", "ForkSequence", "FreeSequences",
                    "GetSequence", "Sync", "GrantLease"]
     requests = _requests(secured)
     for method in lease_calls:
         details = _refused(secured, method, requests[method], "globex", grpc.StatusCode.PERMISSION_DENIED)
         assert secured.lease not in details, "an error must not repeat another tenant's lease id"
-    assert _keyspace(secured.redis_url) == before
+    assert keyspace(secured.redis_url) == before
 
 
 def test_a_worker_may_register_and_heartbeat_only_its_own_pool(secured):
-    before = _keyspace(secured.redis_url)
+    before = keyspace(secured.redis_url)
     epoch_b = secured.call("DescribePool", pb.DescribePoolRequest(pool_id="pool-b"), "ops").epoch
     for method, request in (
             ("RegisterPool", pb.RegisterPoolRequest(pool_id="pool-b", geometry=GEOMETRY)),
@@ -137,7 +128,7 @@ def test_a_worker_may_register_and_heartbeat_only_its_own_pool(secured):
             ("DescribePool", pb.DescribePoolRequest(pool_id="pool-b"))):
         details = _refused(secured, method, request, "pool-a", grpc.StatusCode.PERMISSION_DENIED)
         assert "may only name its own pool" in details
-    assert _keyspace(secured.redis_url) == before
+    assert keyspace(secured.redis_url) == before
     reply = secured.call("Heartbeat", pb.HeartbeatRequest(pool_id="pool-a", epoch=secured.epoch), "pool-a")
     assert reply.epoch == secured.epoch
 
@@ -191,12 +182,12 @@ def test_pool_takeover_fails(secured):
     """Re-registering a pool wipes it and may point its worker_address anywhere: only its
     own worker (or an admin) may."""
     s = secured
-    before = _keyspace(s.redis_url)
+    before = keyspace(s.redis_url)
     for who in ("acme", "globex"):
         _refused(s, "RegisterPool", pb.RegisterPoolRequest(pool_id="pool-a", geometry=GEOMETRY,
                                                            worker_address="evil:1"), who,
                  grpc.StatusCode.PERMISSION_DENIED)
-    assert _keyspace(s.redis_url) == before
+    assert keyspace(s.redis_url) == before
     assert s.call("DescribePool", pb.DescribePoolRequest(pool_id="pool-a"), "acme").worker_address != "evil:1"
 
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from kvservice.common.geometry import check_dims
 from kvservice.common.settings import (EnvSettings, check_block_size, check_in_range, check_pool_id, check_ports,
-                                      check_positive)
+                                      check_positive, check_server_security)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: The presets of worker/model.py (kept here so that checking flags needs no torch).
@@ -55,9 +55,23 @@ class WorkerSettings(EnvSettings):
     #: Give up registering after this many seconds (0: keep trying).
     register_timeout: float = 60.0
     log_level: str = "INFO"
+    #: Who may call the Worker service (docs/security.md): a tokens file (the
+    #: allocator's format), and/or client certificates of ``tls_client_ca``. Neither: nobody
+    #: is authenticated (a development worker on loopback). The worker's own credentials
+    #: towards the allocator are the SDK's variables (KVSERVICE_TOKEN_FILE, KVSERVICE_TLS_CA,
+    #: KVSERVICE_CLIENT_CERT, KVSERVICE_CLIENT_KEY).
+    tokens_file: str = ""
+    #: TLS (PEM files): the worker's certificate chain and key, and the CA of client
+    #: certificates (mTLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    #: Allow plaintext on a host beyond loopback (otherwise refused).
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         check_ports(self)
+        check_server_security(self, "the worker")
         check_pool_id(self.pool_id)
         parse_memory(self.kv_memory)
         if self.num_blocks < 0:

@@ -23,8 +23,10 @@ from grpc_health.v1 import health
 from kernels.backend import cuda_available
 from kvservice.common import grpc as common_grpc
 from kvservice.common.grpc import RETRYABLE, build_server, write_port_file
+from kvservice.common.auth import AuthInterceptor, TokenFile
 from kvservice.common.interceptor import ErrorInterceptor
 from kvservice.common.metrics import MetricsServer
+from kvservice.common.security import ClientCredentials, ServerTls, server_tls
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker import tensors
 from worker.config import WorkerSettings, parse_memory
@@ -109,21 +111,33 @@ def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
     return pool
 
 
+#: Who may call the Worker service: engines (tenants) and admins; a worker calls no worker.
+ROLES = {f"/{SERVICE_NAME}/{method}": frozenset(("tenant", "admin"))
+         for method in ("Describe", "WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward")}
+
+
 async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = "",
-                        runner: ModelRunner | None = None, metrics: WorkerMetrics | None = None
+                        runner: ModelRunner | None = None, metrics: WorkerMetrics | None = None,
+                        tokens: TokenFile | None = None, tls: ServerTls | None = None
                         ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A not-yet-started server with the Worker, health and reflection services
     (``runner``: the model ``Forward`` serves; None: K/V only; ``metrics``: RPCs are timed).
+    With ``tokens``, or ``tls`` with a client CA, every Worker call is authenticated and
+    checked against ``ROLES``.
 
     Returns the server, the bound port and the health servicer (NOT_SERVING until the
     caller marks the pool registered).
     """
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+    certificates = tls is not None and bool(tls.client_ca)
+    if tokens is not None or certificates:
+        interceptors.insert(0, AuthInterceptor(ROLES, tokens, certificates))
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor)
     servicer = WorkerServicer(pool, pool_id, allocator, runner)
     return await build_server(address, [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)], [SERVICE_NAME],
-                              interceptors=interceptors, max_message=MAX_MESSAGE, serving=False)
+                              interceptors=interceptors, max_message=MAX_MESSAGE, serving=False,
+                              credentials=tls.credentials() if tls else None)
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
@@ -134,12 +148,13 @@ async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool)
 class Registrar:
     """Registers the pool with the allocator and keeps it alive with heartbeats."""
 
-    def __init__(self, pool: KVPool, pool_id: str, allocator: str, advertise: str, timeout: float) -> None:
+    def __init__(self, pool: KVPool, pool_id: str, allocator: str, advertise: str, timeout: float,
+                 credentials: ClientCredentials | None = None) -> None:
         self.pool = pool
         self.pool_id = pool_id
         self.address = advertise
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(allocator)
+        self.channel = (credentials or ClientCredentials()).aio_channel(allocator)
         self.stub = allocator_pb2_grpc.AllocatorStub(self.channel)
 
     async def register(self) -> int:
@@ -189,6 +204,12 @@ class Registrar:
 
 async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
     """Serves until SIGINT / SIGTERM (exit 0), or until the pool is taken over (exit 3)."""
+    # Credentials first: a missing file stops the worker before the pool is allocated.
+    tokens = TokenFile(settings.tokens_file) if settings.tokens_file else None
+    tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    if tls is not None:
+        tls.credentials()
+    credentials = ClientCredentials.from_env()
     runner = None
     if settings.model:
         from worker.model import ModelRunner, build_model
@@ -205,7 +226,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         metrics = WorkerMetrics(settings.pool_id, pool, runner)
         metrics.attach()
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
-                                                        settings.allocator, runner, metrics)
+                                                        settings.allocator, runner, metrics, tokens, tls)
     await server.start()
     if metrics is not None:
         http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
@@ -220,7 +241,8 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
     try:
         if settings.allocator:
             advertise = settings.advertise or f"{settings.host}:{port}"
-            registrar = Registrar(pool, settings.pool_id, settings.allocator, advertise, settings.register_timeout)
+            registrar = Registrar(pool, settings.pool_id, settings.allocator, advertise, settings.register_timeout,
+                                  credentials)
             registering = asyncio.ensure_future(registrar.register())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait([registering, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -25,11 +25,19 @@ RUN pip install "grpcio-tools>=1.70,<2" \
 FROM python:3.11-slim
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice
 COPY --from=build /opt/kvservice /opt/kvservice
+# TLS (docs/security.md): mount the CA and certificates at /certs (`kvservice certs /certs
+# ...` makes development ones); the health check presents the server certificate.
 ENV PATH=/opt/kvservice/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     KVSERVICE_HOST=0.0.0.0 \
     KVSERVICE_PORT=50051 \
-    KVSERVICE_METRICS_PORT=9400
+    KVSERVICE_METRICS_PORT=9400 \
+    KVSERVICE_TLS_CERT=/certs/server.pem \
+    KVSERVICE_TLS_KEY=/certs/server-key.pem \
+    KVSERVICE_TLS_CLIENT_CA=/certs/ca.pem \
+    KVSERVICE_TLS_CA=/certs/ca.pem \
+    KVSERVICE_CLIENT_CERT=/certs/server.pem \
+    KVSERVICE_CLIENT_KEY=/certs/server-key.pem
 USER 10001:10001
 WORKDIR /home/kvservice
 EXPOSE 50051 9400

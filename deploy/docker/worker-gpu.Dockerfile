@@ -39,7 +39,9 @@ RUN pip install "grpcio-tools>=1.70,<2" \
 FROM base
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice
 COPY --from=build /opt/kvservice /opt/kvservice
-# The model's weights are drawn from a seed; nothing is downloaded.
+# The model's weights are drawn from a seed; nothing is downloaded. TLS (docs/security.md):
+# mount the CA, the server certificate and this worker's client certificate (CN = its
+# pool id, O = worker; client.pem) at /certs.
 ENV PATH=/opt/kvservice/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
@@ -48,7 +50,13 @@ ENV PATH=/opt/kvservice/bin:$PATH \
     KVSERVICE_WORKER_HOST=0.0.0.0 \
     KVSERVICE_WORKER_PORT=50061 \
     KVSERVICE_WORKER_METRICS_PORT=9401 \
-    KVSERVICE_WORKER_DEVICE=cuda
+    KVSERVICE_WORKER_DEVICE=cuda \
+    KVSERVICE_WORKER_TLS_CERT=/certs/server.pem \
+    KVSERVICE_WORKER_TLS_KEY=/certs/server-key.pem \
+    KVSERVICE_WORKER_TLS_CLIENT_CA=/certs/ca.pem \
+    KVSERVICE_TLS_CA=/certs/ca.pem \
+    KVSERVICE_CLIENT_CERT=/certs/client.pem \
+    KVSERVICE_CLIENT_KEY=/certs/client-key.pem
 USER 10001:10001
 WORKDIR /home/kvservice
 EXPOSE 50061 9401

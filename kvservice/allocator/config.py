@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvservice.common.settings import EnvSettings, check_in_range, check_ports, check_positive
+from kvservice.common.settings import (EnvSettings, check_in_range, check_ports, check_positive,
+                                      check_server_security)
 
 
 @dataclass(slots=True)
@@ -54,9 +55,18 @@ class Settings(EnvSettings):
     #: The tokens file (docs/security.md): hashed bearer tokens -> identity and role.
     #: Empty, and no ``tls_client_ca``: nobody is authenticated (a development server).
     tokens_file: str = ""
+    #: TLS (PEM files): the server's certificate chain and key; with ``tls_client_ca``,
+    #: every client must present a certificate that CA signed (mTLS), whose CN and O are
+    #: an identity and its role.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    #: Allow plaintext on a host beyond loopback (otherwise refused).
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         check_ports(self)
+        check_server_security(self, "the allocator")
         if self.prefix_cache_scope not in ("tenant", "global"):
             raise ValueError(f"prefix_cache_scope must be 'tenant' or 'global', got {self.prefix_cache_scope!r}")
         check_positive(self, "reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",

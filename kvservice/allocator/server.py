@@ -21,6 +21,7 @@ from kvservice.common.auth import AuthInterceptor, TokenFile
 from kvservice.common.grpc import build_server, write_port_file
 from kvservice.common.interceptor import ErrorInterceptor
 from kvservice.common.metrics import MetricsServer
+from kvservice.common.security import ServerTls, server_tls
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -29,22 +30,25 @@ SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["Allocator"].full_name
 
 async def create_server(allocator: Allocator, address: str, metrics: AllocatorMetrics | None = None,
                         outer: tuple[grpc.aio.ServerInterceptor, ...] = (),
-                        tokens: TokenFile | None = None) -> tuple[grpc.aio.Server, int]:
+                        tokens: TokenFile | None = None, tls: ServerTls | None = None
+                        ) -> tuple[grpc.aio.Server, int]:
     """A not-yet-started server with the allocator, health and reflection services.
 
     Returns the server and the bound port (``address`` may end in ``:0``). With
     ``metrics``, every call is timed into its RPC histogram. ``outer``: interceptors that
-    run before the others (tests use them to lose replies). With ``tokens``, every
-    Allocator call is authenticated and checked against the role table (``access.ROLES``).
+    run before the others (tests use them to lose replies). With ``tokens``, or ``tls``
+    with a client CA (whose certificates then prove identities), every Allocator call is
+    authenticated and checked against the role table (``access.ROLES``).
     """
     interceptors: list[grpc.aio.ServerInterceptor] = [*outer, ErrorInterceptor(outcome_to_pb)]
-    if tokens is not None:
-        interceptors.insert(len(outer), AuthInterceptor(ROLES, tokens))
+    certificates = tls is not None and bool(tls.client_ca)
+    if tokens is not None or certificates:
+        interceptors.insert(len(outer), AuthInterceptor(ROLES, tokens, certificates))
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor)
     server, port, _ = await build_server(
         address, [(allocator_pb2_grpc.add_AllocatorServicer_to_server, AllocatorServicer(allocator))],
-        [SERVICE_NAME], interceptors=interceptors)
+        [SERVICE_NAME], interceptors=interceptors, credentials=tls.credentials() if tls else None)
     return server, port
 
 
@@ -75,7 +79,11 @@ class Running:
 async def running(settings: Settings):
     """Runs an allocator server (and an embedded Redis if no URL is set) with its
     /metrics endpoint (unless ``metrics_port`` is -1); yields a ``Running``."""
-    tokens = TokenFile(settings.tokens_file) if settings.tokens_file else None   # (before anything starts)
+    # Credentials first: a missing file stops the server before anything starts.
+    tokens = TokenFile(settings.tokens_file) if settings.tokens_file else None
+    tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    if tls is not None:
+        tls.credentials()
     embedded = None
     url = settings.redis_url
     if not url:
@@ -88,7 +96,8 @@ async def running(settings: Settings):
     if settings.metrics_port >= 0:
         metrics = AllocatorMetrics(allocator, asyncio.get_running_loop(), settings.metrics_exporter_ttl)
         store.observe = metrics.observe_script
-    server, port = await create_server(allocator, f"{settings.host}:{settings.port}", metrics, tokens=tokens)
+    server, port = await create_server(allocator, f"{settings.host}:{settings.port}", metrics, tokens=tokens,
+                                       tls=tls)
     await server.start()
     if metrics is not None:
         http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)

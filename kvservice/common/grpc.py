@@ -22,7 +22,8 @@ ServicerAdder = tuple[Callable[[Any, grpc.aio.Server], None], Any]
 
 async def build_server(address: str, services: Iterable[ServicerAdder], service_names: Iterable[str], *,
                        interceptors: Iterable[grpc.aio.ServerInterceptor] = (), max_message: int = 64 << 20,
-                       serving: bool = True) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+                       serving: bool = True, credentials: grpc.ServerCredentials | None = None
+                       ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A not-yet-started aio server with the given services, gRPC health and reflection.
 
     Args:
@@ -32,6 +33,7 @@ async def build_server(address: str, services: Iterable[ServicerAdder], service_
         interceptors: server interceptors, outermost first.
         max_message: the largest request (and reply) in bytes.
         serving: the initial health status of every service (and of ``""``).
+        credentials: TLS for the port (``kvservice.common.security.ServerTls``); None: plaintext.
 
     Returns:
         The server, the bound port and the health servicer (``set_serving`` changes it).
@@ -50,7 +52,7 @@ async def build_server(address: str, services: Iterable[ServicerAdder], service_
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await set_serving(health_servicer, serving, names)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     return server, port, health_servicer

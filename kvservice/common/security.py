@@ -22,6 +22,8 @@ from typing import Any, Mapping
 import grpc
 
 ENV = "KVSERVICE_"
+#: The variables a client's credentials come from (every process that calls a server).
+CLIENT_ENV = tuple(ENV + n for n in ("TOKEN", "TOKEN_FILE", "TLS_CA", "CLIENT_CERT", "CLIENT_KEY", "TLS_SERVER_NAME"))
 
 
 def _read(path: str) -> bytes:
@@ -75,7 +77,8 @@ def server_tls(cert: str, key: str, client_ca: str) -> ServerTls | None:
     """The server's TLS from its settings (None: plaintext).
 
     Raises:
-        ValueError: a half-given pair, a client CA without a certificate, or an unreadable file.
+        ValueError: a half-given pair, or a client CA without a certificate. (The files
+            are read when the server starts.)
     """
     if bool(cert) != bool(key):
         raise ValueError("tls_cert and tls_key go together")
@@ -83,9 +86,6 @@ def server_tls(cert: str, key: str, client_ca: str) -> ServerTls | None:
         raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
     if not cert:
         return None
-    for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_client_ca", client_ca)):
-        if path and not os.access(path, os.R_OK):
-            raise ValueError(f"{name} {path} cannot be read")
     return ServerTls(cert, key, client_ca)
 
 
@@ -110,14 +110,14 @@ class ClientCredentials:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **given: Any) -> "ClientCredentials":
-        """``KVSERVICE_TOKEN`` / ``_TOKEN_FILE``, ``_TLS_CA``, ``_TLS_CERT``, ``_TLS_KEY``,
+        """``KVSERVICE_TOKEN`` / ``_TOKEN_FILE``, ``_TLS_CA``, ``_CLIENT_CERT``, ``_CLIENT_KEY``,
         ``_TLS_SERVER_NAME``; then the ``given`` fields that are not None."""
         env = os.environ if env is None else env
         token = env.get(ENV + "TOKEN", "")
         if not token and env.get(ENV + "TOKEN_FILE"):
             token = read_token(env[ENV + "TOKEN_FILE"])
-        out = cls(token, env.get(ENV + "TLS_CA", ""), env.get(ENV + "TLS_CERT", ""), env.get(ENV + "TLS_KEY", ""),
-                  env.get(ENV + "TLS_SERVER_NAME", ""))
+        out = cls(token, env.get(ENV + "TLS_CA", ""), env.get(ENV + "CLIENT_CERT", ""),
+                  env.get(ENV + "CLIENT_KEY", ""), env.get(ENV + "TLS_SERVER_NAME", ""))
         return replace(out, **{k: v for k, v in given.items() if v is not None})
 
     @property
@@ -129,7 +129,7 @@ class ClientCredentials:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         if bool(self.cert) != bool(self.key):
-            raise ValueError("a client certificate needs its key (KVSERVICE_TLS_CERT and KVSERVICE_TLS_KEY)")
+            raise ValueError("a client certificate needs its key (KVSERVICE_CLIENT_CERT and KVSERVICE_CLIENT_KEY)")
         creds = grpc.ssl_channel_credentials(_read(self.ca), _read(self.key) if self.key else None,
                                              _read(self.cert) if self.cert else None)
         if self.token:

@@ -51,8 +51,13 @@ class EnvSettings:
         """Adds one ``--flag`` per field (default None, so the environment still applies)."""
         for f in fields(cls):
             kind = type(f.default)
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
-                                help=f"default {f.default!r}; env {cls.env_prefix}{f.name.upper()}")
+            flag = "--" + f.name.replace("_", "-")
+            env = f"env {cls.env_prefix}{f.name.upper()}"
+            if kind is bool:
+                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                    help=f"default {'on' if f.default else 'off'}; {env} (1 or 0)")
+            else:
+                parser.add_argument(flag, dest=f.name, type=kind, default=None, help=f"default {f.default!r}; {env}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace):
@@ -62,8 +67,16 @@ class EnvSettings:
         return dataclasses.replace(self, **changes)
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False,
+          "": False}
+
+
 def _parse(f: dataclasses.Field, raw: str, prefix: str) -> Any:
     kind = type(f.default)
+    if kind is bool:
+        if raw.strip().lower() not in _BOOLS:
+            raise ValueError(f"{prefix}{f.name.upper()}={raw!r} is not a boolean (1 or 0)")
+        return _BOOLS[raw.strip().lower()]
     try:
         return kind(raw)
     except ValueError:
@@ -92,6 +105,15 @@ def check_positive(settings: Any, *names: str, allow_zero: bool = False) -> None
         value = getattr(settings, name)
         if not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
             raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def check_server_security(settings: Any, what: str) -> None:
+    """The TLS files go together, and plaintext beyond loopback needs ``insecure``
+    (fields ``host``, ``tls_cert``, ``tls_key``, ``tls_client_ca``, ``insecure``)."""
+    from kvservice.common.security import check_listen, server_tls
+
+    tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    check_listen(settings.host, tls is not None, settings.insecure, what)
 
 
 def check_block_size(block_size: int) -> None:

@@ -83,10 +83,10 @@ def main(args: argparse.Namespace) -> int:
         requests = workload(args.seed, num_requests=args.requests, max_new_tokens=args.max_new_tokens)
         log(f"running {len(requests)} requests ({sum(r.n for r in requests)} samples) over "
             f"{len({tuple(r.prompt[:40]) for r in requests})} shared system prompts ...")
-        with Engine(stack.target, tenant="demo", progress=None if args.quiet else _progress,
+        with Engine(stack.target, credentials=stack.credentials("engine"), progress=None if args.quiet else _progress,
                     local=not args.remote) as engine:
             report = engine.run(requests)
-            audit = engine.client.audit()
+            audit = stack.audit()
             reserved = engine.client.reserved_blocks() if engine.local else 0
         if not args.quiet:
             sys.stderr.write("\n")

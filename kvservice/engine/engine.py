@@ -30,6 +30,7 @@ import grpc
 
 from kvservice import errors
 from kvservice.client import Client, Sequence, StepResult
+from kvservice.common.security import ClientCredentials
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -168,7 +169,10 @@ class Engine:
     Args:
         allocator: ``host:port`` of an allocator; the workers are its pools'
             ``worker_address``.
-        tenant: the lease's tenant (prefix-cache scope).
+        tenant: the lease's tenant (prefix-cache scope); empty: the authenticated identity
+            (``credentials``), or "engine" on a server that authenticates nobody.
+        credentials: the token and TLS files for the allocator and the workers (default:
+            the ``KVSERVICE_*`` variables; ``kvservice.common.security.ClientCredentials``).
         max_num_seqs: running sequences at most.
         max_prefill_tokens: prompt tokens admitted per step at most (a longer prompt is
             admitted alone).
@@ -179,12 +183,16 @@ class Engine:
             step's ownership changes in one synchronous ``Step`` RPC.
     """
 
-    def __init__(self, allocator: str, *, tenant: str = "engine", max_num_seqs: int = 64,
+    def __init__(self, allocator: str, *, tenant: str = "", max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, return_logits: bool = False,
                  progress: Callable[[Progress], None] | None = None, timeout: float = 60.0,
-                 local: bool = True) -> None:
+                 local: bool = True, credentials: ClientCredentials | None = None) -> None:
         self.local = local
-        self.client = Client(allocator, tenant=tenant, lease_ttl=30.0, timeout=timeout, local=local)
+        self.credentials = credentials or ClientCredentials.from_env()
+        if not tenant and not (self.credentials.token or self.credentials.cert):
+            tenant = "engine"
+        self.client = Client(allocator, tenant=tenant, lease_ttl=30.0, timeout=timeout, local=local,
+                             credentials=self.credentials)
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.return_logits, self.progress, self.timeout = return_logits, progress, timeout
         self._stubs: dict[str, wpb_grpc.WorkerStub] = {}
@@ -204,7 +212,7 @@ class Engine:
             self._block_size[p.pool_id] = p.geometry.block_size
             if p.pool_id in self._stubs or not p.worker_address:
                 continue
-            channel = grpc.insecure_channel(p.worker_address, options=[
+            channel = self.credentials.channel(p.worker_address, [
                 ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
             stub = wpb_grpc.WorkerStub(channel)
             info = stub.Describe(wpb.DescribeWorkerRequest(), timeout=self.timeout)

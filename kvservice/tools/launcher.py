@@ -3,8 +3,9 @@
 ``AllocatorProcess`` runs ``python -m kvservice serve``; ``WorkerProcess`` runs
 ``python -m worker`` (by module name: nothing here imports the worker, torch or CuPy).
 Each binds port 0 (or a given port) and a free /metrics port (unless its command names
-``--metrics-port``), reports both through a file, and is stopped with SIGTERM. ``Stack`` starts a whole local deployment: an embedded Redis, an allocator and
-N workers serving a model.
+``--metrics-port``), reports both through a file, and is stopped with SIGTERM. ``Stack``
+starts a whole local deployment: an embedded Redis, an allocator and N workers serving a
+model, with TLS and authentication on (throwaway credentials).
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvservice.allocator.embedded import EmbeddedRedis, terminate
+from kvservice.common.security import ClientCredentials
+
+if TYPE_CHECKING:
+    from kvservice.v1 import allocator_pb2
 
 
 class ServiceProcess:
@@ -153,6 +159,13 @@ class Stack:
     Workers are named ``worker-0`` … ``worker-<N-1>`` and register with the allocator;
     ``stop()`` (or leaving the ``with`` block) stops them all, workers first.
 
+    With ``secure`` (the default), the stack makes throwaway credentials first, in a
+    private directory (``credentials_dir``): a CA, one server certificate, a client
+    certificate per worker (role worker), for an ``engine`` tenant and for an ``admin``,
+    and an empty tokens file (``kvservice token add NAME --file <dir>/tokens`` issues more
+    tenants while it runs). Every server then takes mTLS only; ``credentials(name)`` is
+    what a client presents.
+
     Args:
         workers: number of workers (pools).
         model: the model preset every worker serves (``python -m worker --model``).
@@ -162,13 +175,20 @@ class Stack:
         num_blocks: blocks per worker (overrides ``kv_memory`` when > 0).
         worker_args: more ``python -m worker`` flags.
         allocator_args: more ``kvservice serve`` flags.
+        secure: TLS and authentication on every server (see above).
     """
+
+    #: The client identities a secure stack makes certificates for (name, role).
+    IDENTITIES = (("engine", "tenant"), ("admin", "admin"))
 
     def __init__(self, workers: int = 2, *, model: str = "tiny-llama", model_seed: int = 0,
                  block_size: int = 16, kv_memory: str = "64MiB", num_blocks: int = 0,
-                 worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = ()) -> None:
+                 worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = (),
+                 secure: bool = True) -> None:
         if workers < 1:
             raise ValueError(f"a stack needs at least one worker, got {workers}")
+        self.secure = secure
+        self._creds_dir: tempfile.TemporaryDirectory | None = None
         self.num_workers, self.model, self.model_seed = workers, model, model_seed
         self.block_size, self.kv_memory, self.num_blocks = block_size, kv_memory, num_blocks
         self.worker_args, self.allocator_args = worker_args, allocator_args
@@ -182,20 +202,71 @@ class Stack:
         assert self.allocator is not None, "start() first"
         return self.allocator.target
 
+    @property
+    def credentials_dir(self) -> str:
+        """Where a secure stack's CA, certificates and tokens file are."""
+        assert self._creds_dir is not None, "a secure stack, started"
+        return self._creds_dir.name
+
+    def credentials(self, name: str = "engine", token: str = "") -> ClientCredentials:
+        """What a client of this stack presents: the CA and ``name``'s client certificate
+        (``engine``: a tenant; ``admin``; ``worker-<i>``), and a bearer token if given.
+        A stack that is not secure takes none: empty credentials."""
+        if not self.secure:
+            return ClientCredentials(token=token)
+        d = Path(self.credentials_dir)
+        return ClientCredentials(token=token, ca=str(d / "ca.pem"), cert=str(d / f"{name}.pem"),
+                                 key=str(d / f"{name}-key.pem"))
+
+    def audit(self, pool_id: str = "", timeout: float = 30.0) -> "allocator_pb2.AuditResponse":
+        """The allocator's audit (as the stack's admin)."""
+        from kvservice.v1 import allocator_pb2, allocator_pb2_grpc
+
+        with self.credentials("admin").channel(self.target) as channel:
+            return allocator_pb2_grpc.AllocatorStub(channel).Audit(allocator_pb2.AuditRequest(pool_id=pool_id),
+                                                                  timeout=timeout)
+
+    def _make_credentials(self) -> None:
+        from kvservice.tools.certs import make_certs
+
+        self._creds_dir = tempfile.TemporaryDirectory(prefix="kvs-credentials-")
+        d = self._creds_dir.name
+        workers = [(f"worker-{i}", "worker") for i in range(self.num_workers)]
+        make_certs(d, clients=[*workers, *self.IDENTITIES])
+        fd = os.open(Path(d, "tokens"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.close(fd)
+
+    def _server_args(self) -> list[str]:
+        if not self.secure:
+            return []
+        d = self.credentials_dir
+        return ["--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server-key.pem", "--tls-client-ca", f"{d}/ca.pem",
+                "--tokens-file", f"{d}/tokens"]
+
+    def _client_env(self, name: str) -> dict[str, str]:
+        c = self.credentials(name)
+        return {"KVSERVICE_TLS_CA": c.ca, "KVSERVICE_CLIENT_CERT": c.cert, "KVSERVICE_CLIENT_KEY": c.key} \
+            if self.secure else {}
+
     def start(self, timeout: float = 120.0) -> "Stack":
-        """Starts Redis, then the allocator, then every worker (in parallel); waits until all serve."""
+        """Makes the credentials (secure), starts Redis, then the allocator, then every
+        worker (in parallel); waits until all serve."""
         try:
+            if self.secure:
+                self._make_credentials()
             self.redis = EmbeddedRedis(port=0).start()
-            self.allocator = AllocatorProcess(self.redis.url, args=self.allocator_args).start(timeout)
+            self.allocator = AllocatorProcess(self.redis.url, args=(*self._server_args(),
+                                                                    *self.allocator_args)).start(timeout)
             for i in range(self.num_workers):
                 args = ["--allocator", self.allocator.target, "--pool-id", f"worker-{i}",
                         "--block-size", str(self.block_size), "--kv-memory", self.kv_memory,
-                        "--heartbeat-interval", "1"]
+                        "--heartbeat-interval", "1", *self._server_args()]
                 if self.model:
                     args += ["--model", self.model, "--model-seed", str(self.model_seed)]
                 if self.num_blocks:
                     args += ["--num-blocks", str(self.num_blocks)]
-                self.workers.append(WorkerProcess(*args, *self.worker_args).start(wait=False))
+                self.workers.append(WorkerProcess(*args, *self.worker_args,
+                                                  env=self._client_env(f"worker-{i}")).start(wait=False))
             for w in self.workers:
                 w.wait_ready(timeout)
         except BaseException:
@@ -212,6 +283,12 @@ class Stack:
         for w in self.workers:
             model = f", model {self.model} seed {self.model_seed}" if self.model else ""
             lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model}, metrics {w.metrics_url})")
+        if self.secure and self._creds_dir is not None:
+            d = self.credentials_dir
+            lines.append(f"TLS + auth credentials in {d}: a client presents the CA and a certificate, e.g.")
+            lines.append(f"  export KVSERVICE_TLS_CA={d}/ca.pem KVSERVICE_CLIENT_CERT={d}/engine.pem "
+                         f"KVSERVICE_CLIENT_KEY={d}/engine-key.pem   (tenant engine; admin.pem: admin)")
+            lines.append(f"  more tenants: kvservice token add NAME --file {d}/tokens (then KVSERVICE_TOKEN)")
         return lines
 
     def stop(self) -> None:
@@ -225,6 +302,9 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._creds_dir is not None:
+            self._creds_dir.cleanup()
+            self._creds_dir = None
 
     def __enter__(self) -> "Stack":
         return self.start()
