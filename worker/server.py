@@ -30,6 +30,7 @@ from kvservice.common.security import ClientCredentials, ServerTls, server_tls
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker import tensors
 from worker.config import WorkerSettings, parse_memory
+from worker.fence import LeaseFence
 from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
@@ -118,23 +119,29 @@ ROLES = {f"/{SERVICE_NAME}/{method}": frozenset(("tenant", "admin"))
 
 async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = "",
                         runner: ModelRunner | None = None, metrics: WorkerMetrics | None = None,
-                        tokens: TokenFile | None = None, tls: ServerTls | None = None
+                        tokens: TokenFile | None = None, tls: ServerTls | None = None,
+                        fence: LeaseFence | None = None
                         ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A not-yet-started server with the Worker, health and reflection services
     (``runner``: the model ``Forward`` serves; None: K/V only; ``metrics``: RPCs are timed).
     With ``tokens``, or ``tls`` with a client CA, every Worker call is authenticated and
-    checked against ``ROLES``.
+    checked against ``ROLES``, and every write must name its lease; ``fence``: the dead
+    leases whose writes are refused (the registrar's heartbeats fill it).
 
     Returns the server, the bound port and the health servicer (NOT_SERVING until the
     caller marks the pool registered).
     """
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
     certificates = tls is not None and bool(tls.client_ca)
-    if tokens is not None or certificates:
+    authenticated = tokens is not None or certificates
+    if authenticated:
         interceptors.insert(0, AuthInterceptor(ROLES, tokens, certificates))
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor)
-    servicer = WorkerServicer(pool, pool_id, allocator, runner)
+    if fence is None:
+        fence = LeaseFence()
+    fence.require_lease = fence.require_lease or authenticated
+    servicer = WorkerServicer(pool, pool_id, allocator, runner, fence)
     return await build_server(address, [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)], [SERVICE_NAME],
                               interceptors=interceptors, max_message=MAX_MESSAGE, serving=False,
                               credentials=tls.credentials() if tls else None)
@@ -149,8 +156,9 @@ class Registrar:
     """Registers the pool with the allocator and keeps it alive with heartbeats."""
 
     def __init__(self, pool: KVPool, pool_id: str, allocator: str, advertise: str, timeout: float,
-                 credentials: ClientCredentials | None = None) -> None:
+                 credentials: ClientCredentials | None = None, fence: LeaseFence | None = None) -> None:
         self.pool = pool
+        self.fence = fence if fence is not None else LeaseFence()
         self.pool_id = pool_id
         self.address = advertise
         self.timeout = timeout
@@ -186,8 +194,9 @@ class Registrar:
         """One heartbeat; re-registers if the allocator forgot the pool; raises
         PoolTakenOver if the pool was registered again by another process."""
         try:
-            await self.stub.Heartbeat(allocator_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.pool.epoch),
-                                      timeout=10)
+            reply = await self.stub.Heartbeat(allocator_pb2.HeartbeatRequest(
+                pool_id=self.pool_id, epoch=self.pool.epoch, dead_since_ms=self.fence.dead_until_ms), timeout=10)
+            self.fence.learn(list(reply.dead_leases), reply.dead_until_ms)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 log.warning("the allocator does not know pool %s (its state was reset): registering again",
@@ -210,6 +219,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
     if tls is not None:
         tls.credentials()
     credentials = ClientCredentials.from_env()
+    fence = LeaseFence()
     runner = None
     if settings.model:
         from worker.model import ModelRunner, build_model
@@ -226,7 +236,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         metrics = WorkerMetrics(settings.pool_id, pool, runner)
         metrics.attach()
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
-                                                        settings.allocator, runner, metrics, tokens, tls)
+                                                        settings.allocator, runner, metrics, tokens, tls, fence)
     await server.start()
     if metrics is not None:
         http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
@@ -242,7 +252,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         if settings.allocator:
             advertise = settings.advertise or f"{settings.host}:{port}"
             registrar = Registrar(pool, settings.pool_id, settings.allocator, advertise, settings.register_timeout,
-                                  credentials)
+                                  credentials, fence)
             registering = asyncio.ensure_future(registrar.register())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait([registering, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kvservice import errors
 from kvservice.v1 import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
 from worker import tensors
+from worker.fence import LeaseFence
 from worker.pool import KVPool
 
 if TYPE_CHECKING:
@@ -23,13 +24,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         pool_id: its id.
         allocator: the allocator it registered with ("" when standalone).
         runner: the model served by ``Forward`` (None: K/V only).
+        fence: the dead leases whose writes are refused (``worker/fence.py``).
     """
 
-    def __init__(self, pool: KVPool, pool_id: str, allocator: str = "", runner: ModelRunner | None = None) -> None:
+    def __init__(self, pool: KVPool, pool_id: str, allocator: str = "", runner: ModelRunner | None = None,
+                 fence: LeaseFence | None = None) -> None:
         self.pool = pool
         self.pool_id = pool_id
         self.allocator = allocator
         self.runner = runner
+        self.fence = fence if fence is not None else LeaseFence()
 
     def _check_epoch(self, epoch: int) -> None:
         current = self.pool.epoch
@@ -59,6 +63,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def WriteKV(self, request: pb.WriteKVRequest, context: Any) -> pb.WriteKVResponse:
         self._check_epoch(request.epoch)
+        self.fence.check(request.lease_id, "WriteKV")
         n = self.pool.write(request.layer, list(request.slot_mapping), self._tensor(request.key, "key"),
                             self._tensor(request.value, "value"))
         return pb.WriteKVResponse(num_written=n)
@@ -77,10 +82,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def CopyBlocks(self, request: pb.CopyBlocksRequest, context: Any) -> pb.CopyBlocksResponse:
         self._check_epoch(request.epoch)
+        self.fence.check(request.lease_id, "CopyBlocks")
         return pb.CopyBlocksResponse(num_copied=self.pool.copy([(p.src, p.dst) for p in request.pairs]))
 
     async def Forward(self, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
         self._check_epoch(request.epoch)
+        self.fence.check(request.lease_id, "Forward")
         if self.runner is None:
             raise errors.FailedPrecondition("this worker serves no model (start it with --model)")
         from worker.model import StepSequence

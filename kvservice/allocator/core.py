@@ -18,7 +18,8 @@ from kvservice.allocator import codec
 from kvservice.common import hashing
 from kvservice.allocator.codec import STALE_EPOCH, ScriptError
 from kvservice.allocator.config import Settings
-from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, LeaseInfo, PoolInfo, ReserveGrant,
+from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, Heartbeat, LeaseInfo, PoolInfo,
+                                        ReserveGrant,
                                         ReserveRequest, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id)
 from kvservice.allocator.journal import journal_payload, resync_payload
@@ -91,13 +92,17 @@ class Allocator:
         return PoolInfo(pool_id, int(meta["epoch"]), geometry, meta.get("worker_address", ""),
                         int(meta.get("registered_ms", 0)), stats, int(meta.get("heartbeat_ms", 0)))
 
-    async def heartbeat(self, pool_id: str, epoch: int) -> tuple[int, int]:
-        """Records a worker's heartbeat; returns (epoch, Redis time in ms)."""
+    async def heartbeat(self, pool_id: str, epoch: int, dead_since_ms: int = 0) -> Heartbeat:
+        """Records a worker's heartbeat; returns the epoch, the Redis time and the leases
+        that died in the pool since ``dead_since_ms``."""
         _check_pool_id(pool_id)
         if not 1 <= epoch <= MAX_INT:
             raise errors.InvalidArgument(f"epoch must be in 1..{MAX_INT}, got {epoch}")
-        reply = await self.store.heartbeat(pool_id, epoch)
-        return int(reply["epoch"]), int(reply["heartbeat_ms"])
+        if not 0 <= dead_since_ms <= 2**62:
+            raise errors.InvalidArgument(f"dead_since_ms {dead_since_ms} is out of range")
+        reply = await self.store.heartbeat(pool_id, epoch, dead_since_ms)
+        return Heartbeat(int(reply["epoch"]), int(reply["heartbeat_ms"]), list(reply["dead"]),
+                         int(reply["dead_until_ms"]))
 
     async def geometry(self, pool_id: str, *, refresh: bool = False) -> tuple[int, Geometry]:
         """The pool's current epoch and geometry (cached per epoch)."""

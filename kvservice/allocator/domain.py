@@ -39,6 +39,18 @@ class Update:
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A heartbeat's outcome: the pool's epoch, the Redis time (ms), and the leases that
+    expired or were revoked in the pool since the worker's cursor (``dead_until_ms`` is
+    the next cursor)."""
+
+    epoch: int
+    heartbeat_ms: int
+    dead_leases: list[str]
+    dead_until_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class Create:
     token_ids: tuple[int, ...]
     pool_id: str = ""

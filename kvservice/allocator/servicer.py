@@ -113,8 +113,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         Access.pool(request.pool_id, "Heartbeat")
-        epoch, now = await self.a.heartbeat(request.pool_id, request.epoch)
-        return pb.HeartbeatResponse(epoch=epoch, heartbeat_at_ms=now)
+        beat = await self.a.heartbeat(request.pool_id, request.epoch, request.dead_since_ms)
+        return pb.HeartbeatResponse(epoch=beat.epoch, heartbeat_at_ms=beat.heartbeat_ms, dead_leases=beat.dead_leases,
+                                    dead_until_ms=beat.dead_until_ms)
 
     async def GrantLease(self, request: pb.GrantLeaseRequest, context: Any) -> pb.Lease:
         tenant = Access.grant_tenant(request.tenant)

@@ -152,8 +152,11 @@ class Store:
                                 {"pool": pool_id, "force_lease": force_lease, "max_leases": max_leases,
                                  "max_seqs": max_seqs, "tombstone_ms": tombstone_ms})
 
-    async def heartbeat(self, pool_id: str, epoch: int) -> dict[str, Any]:
-        return await self._call("heartbeat", [keys.pool_key(pool_id, "meta")], {"pool": pool_id, "epoch": epoch})
+    async def heartbeat(self, pool_id: str, epoch: int, dead_since_ms: int = 0,
+                        max_dead: int = 4096) -> dict[str, Any]:
+        return await self._call("heartbeat", [keys.pool_key(pool_id, "meta"), keys.pool_key(pool_id, "dead")],
+                                {"pool": pool_id, "epoch": epoch, "dead_since_ms": dead_since_ms,
+                                 "max_dead": max_dead})
 
     async def probe(self, pool_id: str, epoch: int, hashes: list[str]) -> dict[str, Any]:
         return await self._call("probe", keys.pool_keys(pool_id),

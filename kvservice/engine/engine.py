@@ -521,7 +521,8 @@ class Engine:
             if len(epochs) != 1:
                 raise RuntimeError(f"pool {pool}: sequences of several epochs {sorted(epochs)} in one step")
             request = wpb.ForwardRequest(epoch=epochs.pop(), copies=copies.get(pool, []),
-                                         sequences=[fs for _, _, fs, _ in items], return_logits=self.return_logits)
+                                         sequences=[fs for _, _, fs, _ in items], return_logits=self.return_logits,
+                                         lease_id=self.client.lease_id)
             calls[pool] = self._executor.submit(self._stubs[pool].Forward, request, timeout=self.timeout)
         for pool, items in entries.items():
             response = calls[pool].result()

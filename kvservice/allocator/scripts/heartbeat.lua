@@ -1,14 +1,17 @@
 --- heartbeat: a worker's liveness signal; stamps the pool's meta with the Redis clock if
---- the worker's epoch is the pool's.
+--- the worker's epoch is the pool's, and tells it the leases that died in the pool since
+--- dead_since_ms (it refuses their writes).
 ---
---- KEYS[1]: the pool's meta hash.
---- ARGV[1]: msgpack map {pool, epoch}
---- Returns msgpack {epoch, heartbeat_ms}; or an error (lib/codec): NOT_FOUND,
----   FAILED_PRECONDITION {epoch} (reason EPOCH_CHANGED: the pool was re-registered).
+--- KEYS[1]: the pool's meta hash; KEYS[2]: the pool's dead-lease tombstones (zset).
+--- ARGV[1]: msgpack map {pool, epoch, dead_since_ms, max_dead}
+--- Returns msgpack {epoch, heartbeat_ms, dead = [lease ids, oldest first, at most
+---   max_dead], dead_until_ms (the tombstone time of the last one, or dead_since_ms)};
+---   or an error (lib/codec): NOT_FOUND, FAILED_PRECONDITION {epoch} (reason
+---   EPOCH_CHANGED: the pool was re-registered).
 --- @include "lib/time"
 --- @include "lib/codec"
 
-local K_META = KEYS[1]
+local K_META, K_DEAD = KEYS[1], KEYS[2]
 local p = args()
 local m = redis.call('HMGET', K_META, 'epoch', 'num_blocks')
 local current = tonumber(m[1])
@@ -22,4 +25,13 @@ if current ~= p.epoch then
 end
 local now = now_ms()
 redis.call('HSET', K_META, 'heartbeat_ms', now)
-return reply({epoch = current, heartbeat_ms = now})
+-- Tombstones share a millisecond now and then: from dead_since_ms inclusive, so that a
+-- lease reaped in the same millisecond as the last one returned is not skipped (a lease
+-- seen twice is harmless).
+local got = redis.call('ZRANGEBYSCORE', K_DEAD, p.dead_since_ms, '+inf', 'WITHSCORES', 'LIMIT', 0, p.max_dead)
+local dead, until_ms = {}, p.dead_since_ms
+for i = 1, #got, 2 do
+  dead[#dead + 1] = got[i]
+  until_ms = tonumber(got[i + 1])
+end
+return reply({epoch = current, heartbeat_ms = now, dead = dead, dead_until_ms = until_ms})
