@@ -52,10 +52,12 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from kvservice.tools.certs import make_certs, parse_client
+    from kvservice.tools.certs import make_certs, make_redis_users, parse_client
 
     try:
         written = make_certs(args.directory, args.host, [parse_client(c) for c in args.client], keep=args.keep)
+        if written and args.redis:
+            written += make_redis_users(args.directory, args.redis)
     except (OSError, ValueError) as exc:
         print(f"kvservice certs: {exc}", file=sys.stderr)
         return 2
@@ -212,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client", action="append", default=[], metavar="NAME:ROLE",
                    help="a client certificate for this identity (repeatable), e.g. acme:tenant, pool-0:worker")
     p.add_argument("--keep", action="store_true", help="write nothing if DIR holds a CA already")
+    p.add_argument("--redis", default="", metavar="HOST:PORT",
+                   help="also write a Redis ACL file (users.acl) and its users' URLs for a Redis at HOST:PORT")
     p.set_defaults(func=_certs)
 
     p = sub.add_parser("audit", help="check the allocator's invariants on a live Redis; exit 1 if broken")

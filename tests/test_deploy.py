@@ -575,7 +575,11 @@ def test_dependencies_wait_for_health():
     for name, s in svc.items():
         if name.startswith("worker-"):
             assert s["depends_on"]["allocator"]["condition"] == "service_healthy", name
-    assert svc["allocator"]["environment"]["KVSERVICE_REDIS_URL"].startswith("redis://redis:6379/")
+    # The allocator's Redis URL (with its ACL user's password) is the certificates job's file.
+    assert svc["allocator"]["environment"]["KVSERVICE_REDIS_URL_FILE"] == "/certs/redis-url"
+    _, certs = parse_command(_command("certs", svc["certs"]))
+    assert certs.redis == "redis:6379"
+    assert svc["redis"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
 
 
 def _flag_pairs(argv: list[str]) -> dict[str, str]:
@@ -588,7 +592,11 @@ def test_redis_keeps_an_append_only_file_and_never_evicts():
     assert s["command"][0] == "redis-server"
     assert flags["--appendonly"] == "yes" and flags["--maxmemory-policy"] == "noeviction"
     assert any(v.endswith(":/data") for v in s["volumes"])
-    assert s["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    # Only the ACL file's users connect; the health check is its PING-only user's.
+    assert flags["--aclfile"] == "/certs/users.acl" and "certs:/certs:ro" in s["volumes"]
+    test = s["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and "redis-cli --user health ping" in test[1]
+    assert "/certs/redis-health-password" in test[1]
 
 
 def test_gpu_workers_reserve_an_nvidia_gpu_and_cpu_workers_use_the_cpu():
@@ -937,7 +945,7 @@ def test_allocator_deployment_runs_two_replicas_with_grpc_probes_on_its_port():
     (container,) = pod["spec"]["containers"]
     argv = container.get("command", []) + container.get("args", [])
     settings = settings_of(argv, _k8s_env(container, "allocator-abc"))
-    assert settings.redis_url == "redis://redis:6379/0" and settings.host == "0.0.0.0"
+    assert settings.redis_url_file == "/certs/redis/redis-url" and settings.host == "0.0.0.0"
     ports = _ports(container)
     assert ports == {"grpc": settings.port, "metrics": settings.metrics_port}
     assert set(_probe_ports(container)) == {ports["grpc"]}
@@ -991,9 +999,24 @@ def test_redis_statefulset_is_durable_and_reachable_where_the_allocator_looks():
     assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in container["volumeMounts"]
     service = one("Service", "redis")
     assert [p["port"] for p in service["spec"]["ports"]] == [6379]
-    allocator = one("Deployment", "allocator")["spec"]["template"]["spec"]["containers"][0]
-    url = _k8s_env(allocator, "allocator-abc")["KVSERVICE_REDIS_URL"]
-    assert url.startswith(f"redis://{service['metadata']['name']}:6379/")
+    # Only the ACL file's users connect (a Secret's users.acl); probes are the PING-only user's.
+    pod = sts["spec"]["template"]["spec"]
+    assert _flag_pairs(container["args"])["--aclfile"] == "/etc/redis-users/users.acl"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    users = volumes[mounts["/etc/redis-users"]]["secret"]
+    assert users["secretName"] == "kvservice-redis"
+    for probe in (container["readinessProbe"], container["livenessProbe"]):
+        assert "redis-cli --user health ping" in probe["exec"]["command"][-1]
+    # The allocator reads its URL (its ACL user's password in it) from the same Secret.
+    allocator_pod = one("Deployment", "allocator")["spec"]["template"]["spec"]
+    allocator = allocator_pod["containers"][0]
+    path = _k8s_env(allocator, "allocator-abc")["KVSERVICE_REDIS_URL_FILE"]
+    mount = {m["mountPath"]: m["name"] for m in allocator["volumeMounts"]}[path.rsplit("/", 1)[0]]
+    secret = {v["name"]: v for v in allocator_pod["volumes"]}[mount]["secret"]
+    assert secret["secretName"] == "kvservice-redis"
+    assert [i["key"] for i in secret["items"]] == ["redis-url"]
+    assert service["metadata"]["name"] == "redis"
 
 
 def _services_selected(selector: dict) -> list[dict]:

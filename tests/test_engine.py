@@ -200,7 +200,7 @@ def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_s
     requests.append(Request(_prompt(rng, 17), max_new_tokens=64, n=2, temperature=0.9, seed=3, request_id="s"))
     with Engine(stack.target, credentials=stack.credentials()) as engine:
         reference = engine.run(requests)
-    r = redis_py.Redis.from_url(stack.redis.url)
+    r = redis_py.Redis.from_url(stack.redis.admin_url)   # (DUMP and RESTORE: an admin's)
     saved: dict = {}
 
     def roll_back(p) -> None:

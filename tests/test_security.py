@@ -256,3 +256,22 @@ def test_the_tokens_file_holds_no_token_and_is_private(tmp_path):
     assert token not in text and text.startswith("sha256:")
     assert os.stat(path).st_mode & 0o077 == 0
     assert TokenFile(path).lookup(token).name == "acme"
+
+
+def test_the_allocator_s_redis_user_may_run_every_command_the_allocator_sends():
+    """The ACL of the embedded Redis's allocator user lists commands: every one the
+    scripts call, and every one the store, the audit and the metrics send, is in it."""
+    import re
+    from pathlib import Path
+
+    from kvservice.allocator.embedded import ALLOCATOR_COMMANDS
+
+    root = Path(__file__).resolve().parent.parent / "kvservice" / "allocator"
+    lua = " ".join(p.read_text() for p in (root / "scripts").rglob("*.lua"))
+    used = {c.lower() for c in re.findall(r"(?:redis\.p?call|call_chunked)\('([A-Z]+)'", lua)}
+    used |= {"hmget"} if "hmget_chunked" in lua else set()
+    python = " ".join(p.read_text() for p in (root / n for n in ("store.py", "audit.py", "metrics.py", "core.py")))
+    used |= set(re.findall(r"(?:pipe|redis|r)\.(h[a-z]+|z[a-z]+|l[a-z]+|s[a-z]+|get|set|ping|time|incr)\(", python))
+    used -= {"pipeline", "set_response_callback"}
+    assert used, "no command found: the scan is broken"
+    assert used <= set(ALLOCATOR_COMMANDS), used - set(ALLOCATOR_COMMANDS)

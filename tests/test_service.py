@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -18,11 +19,21 @@ from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
 from kvservice.tools.launcher import AllocatorProcess
 
 
-def test_serve_without_redis_url_starts_and_stops_a_private_redis():
+def test_serve_without_redis_url_starts_and_stops_a_private_redis_that_takes_only_its_acl_user():
     with AllocatorProcess() as proc:
-        assert proc.url.startswith("unix://")
-        socket_path = proc.url.removeprefix("unix://")
-        assert redis.Redis(unix_socket_path=socket_path).ping()
+        assert proc.url.startswith("unix://kvservice:")
+        socket_path = urlsplit(proc.url).path
+        assert redis.Redis.from_url(proc.url).ping()
+        # No connection without credentials; the allocator's user runs only its commands.
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(unix_socket_path=socket_path).ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(proc.url).flushall()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(proc.url).config_get("*")
+        # ... and nothing on its command line shows a password.
+        with open(f"/proc/{proc.proc.pid}/cmdline", "rb") as f:
+            assert urlsplit(proc.url).password.encode() not in f.read()
         with Client(proc.target) as c:
             c.register_pool("e0", num_blocks=8, block_size=4)
             assert c.create([1, 2, 3], pool="e0").block_table == [0]
@@ -79,13 +90,15 @@ def test_demo_prints_its_report():
 
 def test_a_killed_allocator_takes_its_private_redis_with_it():
     proc = AllocatorProcess().start()
-    socket_path = proc.url.removeprefix("unix://")
-    assert redis.Redis(unix_socket_path=socket_path).ping()
+    socket_path = urlsplit(proc.url).path
+    assert redis.Redis.from_url(proc.url).ping()
     proc.kill()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        if not os.path.exists(socket_path):
+            break
         try:
-            redis.Redis(unix_socket_path=socket_path, socket_timeout=0.5).ping()
+            redis.Redis.from_url(proc.url, socket_timeout=0.5).ping()
         except (redis.ConnectionError, FileNotFoundError, OSError):
             break
         time.sleep(0.05)

@@ -6,6 +6,7 @@ refused within one heartbeat of its death."""
 from __future__ import annotations
 
 import time
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -153,3 +154,22 @@ def test_a_dead_lease_s_writes_are_refused_within_a_heartbeat(stack, death):
         channel.close()
         admin_channel.close()
         client.close()
+
+
+def test_the_stack_s_redis_takes_only_its_acl_users(stack):
+    import redis
+
+    from kvservice.allocator.embedded import ALLOCATOR_USER
+
+    plain = redis.Redis(host="127.0.0.1", port=stack.redis.port)
+    with pytest.raises(redis.AuthenticationError):
+        plain.ping()
+    allocator = redis.Redis.from_url(stack.redis.tcp_url)
+    assert urlsplit(stack.redis.tcp_url).username == ALLOCATOR_USER and allocator.ping()
+    for forbidden in (allocator.flushall, allocator.keys, lambda: allocator.config_get("*"),
+                      lambda: allocator.set("not-ours", 1)):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
+    assert redis.Redis.from_url(stack.redis.admin_url).dbsize() > 0
+    with open(f"{stack.credentials_dir}/redis-url") as f:
+        assert f.read().strip() == stack.redis.tcp_url

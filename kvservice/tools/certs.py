@@ -10,8 +10,13 @@ Writes, in DIR (keys readable by their owner only):
 - ``<name>.pem`` / ``<name>-key.pem`` per ``--client NAME:ROLE``: a client certificate
   whose subject's CN is NAME and O is ROLE (the identity it proves, docs/security.md).
 
+With ``--redis ADDRESS`` it also writes the Redis credentials of a deployment
+(``make_redis_users``): ``users.acl`` for ``redis-server --aclfile`` (password digests
+only), the allocator's URL ``redis-url`` (``redis://kvservice:<password>@ADDRESS/0``),
+an admin's ``redis-admin-url`` and the health user's ``redis-health-password``.
+
 For production, issue certificates from your own CA (cert-manager on Kubernetes:
-deploy/k8s/README.md); these are throwaway credentials for local stacks and tests.
+docs/security.md); these are throwaway credentials for local stacks and tests.
 """
 
 from __future__ import annotations
@@ -123,6 +128,26 @@ def make_certs(directory: str, hosts: Iterable[str] = (), clients: Iterable[tupl
         _save(out, name, cert, key)
         written += [f"{name}.pem", f"{name}-key.pem"]
     return written
+
+
+def make_redis_users(directory: str, address: str) -> list[str]:
+    """Writes a Redis ACL file and the URLs and password of its users for a Redis at
+    ``address`` (``host:port``); returns the files written."""
+    import secrets
+
+    from kvservice.allocator.embedded import ACL_USERS, ADMIN_USER, ALLOCATOR_USER, HEALTH_USER, acl_file
+
+    passwords = {user: secrets.token_urlsafe(24) for user in ACL_USERS}
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    # (Redis reads the ACL file as its own user: readable, and it holds digests only)
+    _write(out / "users.acl", acl_file(passwords).encode(), private=False)
+    _write(out / "redis-url", f"redis://{ALLOCATOR_USER}:{passwords[ALLOCATOR_USER]}@{address}/0\n".encode(),
+           private=True)
+    _write(out / "redis-admin-url", f"redis://{ADMIN_USER}:{passwords[ADMIN_USER]}@{address}/0\n".encode(),
+           private=True)
+    _write(out / "redis-health-password", f"{passwords[HEALTH_USER]}\n".encode(), private=True)
+    return ["users.acl", "redis-url", "redis-admin-url", "redis-health-password"]
 
 
 def parse_client(text: str) -> tuple[str, str]:

@@ -128,8 +128,8 @@ class AllocatorProcess(ServiceProcess):
     def __init__(self, redis_url: str | None = None, *, args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, port: int = 0) -> None:
         command = ["kvservice", "serve", *args]
-        if redis_url:
-            command += ["--redis-url", redis_url]
+        # (the URL carries the Redis credentials: in the environment, not on the command line)
+        env = {**(env or {}), **({"KVSERVICE_REDIS_URL": redis_url} if redis_url else {})}
         super().__init__(command, env=env, port=port)
         self.redis_url = redis_url
 
@@ -236,6 +236,12 @@ class Stack:
         fd = os.open(Path(d, "tokens"), os.O_WRONLY | os.O_CREAT, 0o600)
         os.close(fd)
 
+    def _write_redis_urls(self) -> None:
+        for name, url in (("redis-url", self.redis.tcp_url), ("redis-admin-url", self.redis.admin_url)):
+            fd = os.open(Path(self.credentials_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(url + "\n")
+
     def _server_args(self) -> list[str]:
         if not self.secure:
             return []
@@ -254,7 +260,9 @@ class Stack:
         try:
             if self.secure:
                 self._make_credentials()
-            self.redis = EmbeddedRedis(port=0).start()
+            self.redis = EmbeddedRedis(port=0, secure=self.secure).start()
+            if self.secure:
+                self._write_redis_urls()
             self.allocator = AllocatorProcess(self.redis.url, args=(*self._server_args(),
                                                                     *self.allocator_args)).start(timeout)
             for i in range(self.num_workers):
@@ -276,7 +284,7 @@ class Stack:
 
     def describe(self) -> list[str]:
         """One line per process: what it is and where it listens."""
-        lines = [f"redis      {self.redis.tcp_url} (and {self.redis.url})" if self.redis else "redis      -"]
+        lines = [f"redis      {self.redis.where}" if self.redis else "redis      -"]
         if self.allocator:
             lines.append(f"allocator  {self.allocator.target} (pid {self.allocator.proc.pid}, "
                          f"metrics {self.allocator.metrics_url})")
@@ -289,6 +297,7 @@ class Stack:
             lines.append(f"  export KVSERVICE_TLS_CA={d}/ca.pem KVSERVICE_CLIENT_CERT={d}/engine.pem "
                          f"KVSERVICE_CLIENT_KEY={d}/engine-key.pem   (tenant engine; admin.pem: admin)")
             lines.append(f"  more tenants: kvservice token add NAME --file {d}/tokens (then KVSERVICE_TOKEN)")
+            lines.append(f"  Redis: the allocator's URL in {d}/redis-url, an admin's in {d}/redis-admin-url")
         return lines
 
     def stop(self) -> None:
