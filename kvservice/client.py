@@ -327,7 +327,15 @@ class Client(LocalSteps):
             pool_id=pool_id, geometry=geometry, worker_address=worker_address, request_id=new_request_id()))
 
     def pools(self) -> list[pb.Pool]:
-        return list(self._call(self.stub.ListPools, pb.ListPoolsRequest()).pools)
+        """Every pool (ListPools, page after page)."""
+        out: list[pb.Pool] = []
+        token = ""
+        while True:
+            reply = self._call(self.stub.ListPools, pb.ListPoolsRequest(page_size=1000, page_token=token))
+            out.extend(reply.pools)
+            token = reply.next_page_token
+            if not token:
+                return out
 
     def pool_stats(self, pool_id: str) -> pb.PoolStats:
         return self._call(self.stub.GetPoolStats, pb.GetPoolStatsRequest(pool_id=pool_id))

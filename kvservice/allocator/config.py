@@ -26,6 +26,12 @@ class Settings(EnvSettings):
     redis_url: str = ""
     #: A file whose first line is the Redis URL (a mounted Secret); wins over redis_url.
     redis_url_file: str = ""
+    #: Connections to Redis at most; a call that finds none free waits up to
+    #: ``redis_pool_timeout`` seconds for one (then UNAVAILABLE).
+    redis_max_connections: int = 64
+    redis_pool_timeout: float = 10.0
+    #: The largest request or reply, in MiB (a larger request is refused before it is read).
+    max_message_mb: int = 16
     #: Seconds between sweeps of expired leases.
     reap_interval: float = 0.5
     #: How long a request_id's outcome is kept for retries (seconds).
@@ -75,7 +81,9 @@ class Settings(EnvSettings):
         if self.prefix_cache_scope not in ("tenant", "global"):
             raise ValueError(f"prefix_cache_scope must be 'tenant' or 'global', got {self.prefix_cache_scope!r}")
         check_positive(self, "reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",
-                       "metrics_exporter_ttl")
+                       "metrics_exporter_ttl", "redis_pool_timeout")
+        check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
+        check_in_range("max_message_mb", self.max_message_mb, 1, 1024)
         for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence"):
             check_in_range(name, getattr(self, name), 1, 2**31 - 1)
         if not (0 <= self.reserve_share <= 1 and 0 <= self.reserve_pressure_share <= 1):

@@ -7,6 +7,7 @@ tenant), so any number of replicas can serve one Redis. Raises ``kvservice.error
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 import secrets
@@ -29,6 +30,9 @@ from kvservice.common.settings import check_pool_id, echo
 
 log = logging.getLogger(__name__)
 MAX_INT = 2**31 - 1
+#: Pools read at once by one call (ListPools, the placement of a create without pool id).
+FAN_OUT = 64
+DEFAULT_PAGE, MAX_PAGE = 100, 1000
 
 
 class Allocator:
@@ -68,7 +72,36 @@ class Allocator:
         return PoolInfo(pool_id, int(reply["epoch"]), geometry, worker_address, int(reply["registered_ms"]))
 
     async def list_pools(self) -> list[PoolInfo]:
-        infos = await asyncio.gather(*(self._describe(p) for p in await self.store.pool_ids()))
+        """Every pool (read a page of ``FAN_OUT`` at a time)."""
+        out: list[PoolInfo] = []
+        ids = sorted(await self.store.pool_ids())
+        for i in range(0, len(ids), FAN_OUT):
+            out.extend(await self._describe_many(ids[i:i + FAN_OUT]))
+        return out
+
+    async def list_pools_page(self, page_size: int = 0, page_token: str = "") -> tuple[list[PoolInfo], str]:
+        """One page of pools in pool-id order, and the next page's token ("" after the last)."""
+        if page_size < 0:
+            raise errors.InvalidArgument(f"page_size must be >= 0, got {page_size}")
+        size = min(page_size or DEFAULT_PAGE, MAX_PAGE)
+        after = ""
+        if page_token:
+            try:
+                after = base64.urlsafe_b64decode(page_token.encode()).decode().removeprefix("after:")
+            except (ValueError, UnicodeDecodeError):
+                after = None
+            if not after:
+                raise errors.InvalidArgument(f"malformed page_token {echo(page_token)}")
+        ids = sorted(p for p in await self.store.pool_ids() if p > after)
+        page = ids[:size]
+        infos: list[PoolInfo] = []
+        for i in range(0, len(page), FAN_OUT):
+            infos.extend(await self._describe_many(page[i:i + FAN_OUT]))
+        token = base64.urlsafe_b64encode(f"after:{page[-1]}".encode()).decode() if len(ids) > size else ""
+        return infos, token
+
+    async def _describe_many(self, pool_ids: list[str]) -> list[PoolInfo]:
+        infos = await asyncio.gather(*(self._describe(p) for p in pool_ids))
         return [i for i in infos if i is not None]
 
     async def describe_pool(self, pool_id: str) -> PoolInfo:
@@ -481,7 +514,9 @@ class Allocator:
             reply = await self.store.probe(pool_id, epoch, hs)
             return int(reply["hits"]) * geo.block_size, int(reply["available"]), pool_id
 
-        scored = [x for x in await asyncio.gather(*(score(p) for p in pools)) if x is not None]
+        scored = []
+        for i in range(0, len(pools), FAN_OUT):
+            scored += [x for x in await asyncio.gather(*(score(p) for p in pools[i:i + FAN_OUT])) if x is not None]
         if not scored:
             raise errors.FailedPrecondition("no pool is registered")
         # Most cached tokens, then most blocks available, then the smallest pool id.

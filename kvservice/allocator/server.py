@@ -30,8 +30,8 @@ SERVICE_NAME = allocator_pb2.DESCRIPTOR.services_by_name["Allocator"].full_name
 
 async def create_server(allocator: Allocator, address: str, metrics: AllocatorMetrics | None = None,
                         outer: tuple[grpc.aio.ServerInterceptor, ...] = (),
-                        tokens: TokenFile | None = None, tls: ServerTls | None = None
-                        ) -> tuple[grpc.aio.Server, int]:
+                        tokens: TokenFile | None = None, tls: ServerTls | None = None,
+                        max_message: int = 16 << 20) -> tuple[grpc.aio.Server, int]:
     """A not-yet-started server with the allocator, health and reflection services.
 
     Returns the server and the bound port (``address`` may end in ``:0``). With
@@ -48,7 +48,8 @@ async def create_server(allocator: Allocator, address: str, metrics: AllocatorMe
         interceptors.insert(0, metrics.interceptor)
     server, port, _ = await build_server(
         address, [(allocator_pb2_grpc.add_AllocatorServicer_to_server, AllocatorServicer(allocator))],
-        [SERVICE_NAME], interceptors=interceptors, credentials=tls.credentials() if tls else None)
+        [SERVICE_NAME], interceptors=interceptors, credentials=tls.credentials() if tls else None,
+        max_message=max_message)
     return server, port
 
 
@@ -90,14 +91,14 @@ async def running(settings: Settings):
         embedded = EmbeddedRedis(secure=True).start()
         url = embedded.url
         log.info("embedded Redis %s at %s", embedded.version(), embedded.where)
-    store = Store(connect(url))
+    store = Store(connect(url, settings.redis_max_connections, settings.redis_pool_timeout))
     allocator = Allocator(store, settings)
     metrics = http = None
     if settings.metrics_port >= 0:
         metrics = AllocatorMetrics(allocator, asyncio.get_running_loop(), settings.metrics_exporter_ttl)
         store.observe = metrics.observe_script
     server, port = await create_server(allocator, f"{settings.host}:{settings.port}", metrics, tokens=tokens,
-                                       tls=tls)
+                                       tls=tls, max_message=settings.max_message_mb << 20)
     await server.start()
     if metrics is not None:
         http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)

@@ -102,7 +102,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pool_to_pb(await self.a.describe_pool(info.pool_id))
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Any) -> pb.ListPoolsResponse:
-        return pb.ListPoolsResponse(pools=[pool_to_pb(p) for p in await self.a.list_pools()])
+        pools, token = await self.a.list_pools_page(request.page_size, request.page_token)
+        return pb.ListPoolsResponse(pools=[pool_to_pb(p) for p in pools], next_page_token=token)
 
     async def DescribePool(self, request: pb.DescribePoolRequest, context: Any) -> pb.Pool:
         Access.pool(request.pool_id, "DescribePool")

@@ -62,9 +62,14 @@ def read_url(path: str) -> str:
     return url
 
 
-def connect(url: str, **kwargs: Any) -> aioredis.Redis:
-    """An asyncio Redis client for ``redis://``, ``rediss://`` or ``unix://`` URLs."""
-    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30, **kwargs)
+def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, **kwargs: Any) -> aioredis.Redis:
+    """An asyncio Redis client for ``redis://``, ``rediss://`` or ``unix://`` URLs, over at
+    most ``max_connections`` connections: a call that finds none free waits for one (up
+    to ``pool_timeout`` seconds), instead of failing at once as redis-py's default pool
+    does past 100."""
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout,
+                                                    decode_responses=False, health_check_interval=30, **kwargs)
+    return aioredis.Redis(connection_pool=pool)
 
 
 class Store:
