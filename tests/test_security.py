@@ -275,3 +275,41 @@ def test_the_allocator_s_redis_user_may_run_every_command_the_allocator_sends():
     used -= {"pipeline", "set_response_callback"}
     assert used, "no command found: the scan is broken"
     assert used <= set(ALLOCATOR_COMMANDS), used - set(ALLOCATOR_COMMANDS)
+
+
+def test_a_server_secret_salts_every_hash_and_a_group_shares_one_cache(redis_url, tmp_path):
+    import hashlib
+    import hmac
+
+    from kvservice.common import hashing
+
+    secret = tmp_path / "secret"
+    secret.write_text("s3cr3t\n")
+    settings = TEST_SETTINGS.replace(prefix_cache_secret_file=str(secret), prefix_cache_groups="labs=acme,globex")
+    prompt = list(range(200, 241))
+    with ServerThread(redis_url, settings) as server:
+        with Client(server.target, tenant="acme", keepalive=False) as acme:
+            acme.register_pool("pool-s", num_blocks=128, block_size=4)
+            created = acme.stub.CreateSequence(pb.CreateSequenceRequest(lease_id=acme.lease_id, token_ids=prompt,
+                                                                        pool_id="pool-s"), timeout=10)
+            # The salt is the HMAC of the group's name under the secret, not a name anyone knows.
+            salt = "hmac:" + hmac.new(b"s3cr3t", b"group:labs", hashlib.sha256).hexdigest()
+            expected = hashing.chain_hashes(hashing.root_hash(salt), hashing.token_bytes_checked(prompt, "p"), 4, 10)
+            assert list(created.block_hashes) == expected
+            unsalted = hashing.chain_hashes(hashing.root_hash("acme"), hashing.token_bytes_checked(prompt, "p"), 4, 10)
+            assert created.block_hashes[0] != unsalted[0]
+            with Client(server.target, tenant="globex", keepalive=False) as globex:
+                assert globex.create(prompt, pool="pool-s").num_cached_tokens == 40      # same group
+            with Client(server.target, tenant="initech", keepalive=False) as initech:
+                assert initech.create(prompt, pool="pool-s").num_cached_tokens == 0      # not in it
+
+
+@pytest.mark.parametrize("groups, message", [
+    ("labs", "is not group=tenant"), ("labs=", "is not group=tenant"), ("labs=a;ops=a", "is in groups labs and ops"),
+    ("labs=a b", "malformed tenant"),
+])
+def test_malformed_cache_groups_are_refused(groups, message):
+    from kvservice.allocator.config import Settings
+
+    with pytest.raises(ValueError, match=message):
+        Settings(prefix_cache_groups=groups)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvservice.common.settings import (EnvSettings, check_in_range, check_ports, check_positive,
+from kvservice.common.settings import (TENANT_NAME, EnvSettings, check_in_range, check_ports, check_positive,
                                       check_server_security)
 
 
@@ -38,6 +38,12 @@ class Settings(EnvSettings):
     request_ttl: float = 600.0
     #: "tenant": each tenant's prompts hash with its own salt; "global": one cache for all.
     prefix_cache_scope: str = "tenant"
+    #: Tenants that share one prefix cache: ``group=tenant,tenant;group2=...`` (each tenant
+    #: in one group at most). The others keep their own.
+    prefix_cache_groups: str = ""
+    #: A file whose first line is a secret mixed into every salt (HMAC-SHA256): hashes
+    #: then reveal nothing of a prompt to whoever lacks it. Every replica needs the same.
+    prefix_cache_secret_file: str = ""
     #: Items (updates + creates) in one call.
     max_items_per_call: int = 1024
     #: New blocks one call may allocate.
@@ -80,6 +86,7 @@ class Settings(EnvSettings):
         check_server_security(self, "the allocator")
         if self.prefix_cache_scope not in ("tenant", "global"):
             raise ValueError(f"prefix_cache_scope must be 'tenant' or 'global', got {self.prefix_cache_scope!r}")
+        cache_groups(self.prefix_cache_groups)
         check_positive(self, "reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",
                        "metrics_exporter_ttl", "redis_pool_timeout")
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
@@ -91,3 +98,25 @@ class Settings(EnvSettings):
         check_in_range("reserve_min_blocks", self.reserve_min_blocks, 0, 1 << 20)
         if self.min_lease_ttl > self.max_lease_ttl:
             raise ValueError("min_lease_ttl must not exceed max_lease_ttl")
+
+
+def cache_groups(text: str) -> dict[str, str]:
+    """``prefix_cache_groups`` parsed: tenant -> its group.
+
+    Raises:
+        ValueError: a malformed entry, or a tenant in two groups.
+    """
+    out: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        group, sep, members = entry.partition("=")
+        group = group.strip()
+        tenants = [t.strip() for t in members.split(",") if t.strip()]
+        if not sep or not TENANT_NAME.fullmatch(group) or not tenants:
+            raise ValueError(f"prefix_cache_groups: {entry!r} is not group=tenant,tenant...")
+        for t in tenants:
+            if not TENANT_NAME.fullmatch(t):
+                raise ValueError(f"prefix_cache_groups: malformed tenant {t!r} in group {group}")
+            if t in out:
+                raise ValueError(f"prefix_cache_groups: tenant {t} is in groups {out[t]} and {group}")
+            out[t] = group
+    return out

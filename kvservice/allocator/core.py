@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import hmac
 import logging
 import secrets
 from collections import defaultdict
@@ -18,7 +19,7 @@ from kvservice import errors
 from kvservice.allocator import codec
 from kvservice.common import hashing
 from kvservice.allocator.codec import STALE_EPOCH, ScriptError
-from kvservice.allocator.config import Settings
+from kvservice.allocator.config import Settings, cache_groups
 from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, Heartbeat, LeaseInfo, PoolInfo,
                                         ReserveGrant,
                                         ReserveRequest, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
@@ -46,6 +47,13 @@ class Allocator:
         self._sequence_ids: dict[str, tuple[str, int, int, str]] = {}   # parsed ids of recent steps
         #: Leases this replica granted (retries of one request count once); read by metrics.
         self.leases_granted = 0
+        self._groups = cache_groups(self.settings.prefix_cache_groups)
+        self._secret: bytes | None = None
+        if self.settings.prefix_cache_secret_file:
+            with open(self.settings.prefix_cache_secret_file, "rb") as f:
+                self._secret = f.readline().strip()
+            if not self._secret:
+                raise ValueError(f"prefix_cache_secret_file {self.settings.prefix_cache_secret_file} is empty")
 
     # ------------------------------------------------------------ pools
 
@@ -539,7 +547,16 @@ class Allocator:
         outcome.copies.extend((pool_id, src, dst) for src, dst in reply["copies"])
 
     def _salt(self, tenant: str) -> str:
-        return tenant if self.settings.prefix_cache_scope == "tenant" else ""
+        """The prefix-cache salt of a tenant's creates (docs/security.md): its own name,
+        its group's (``group:<name>``), or none ("global"); with a secret, the HMAC of
+        that under the secret."""
+        if self.settings.prefix_cache_scope != "tenant":
+            return ""
+        group = self._groups.get(tenant)
+        scope = f"group:{group}" if group else tenant
+        if self._secret is None:
+            return scope
+        return "hmac:" + hmac.new(self._secret, scope.encode(), hashlib.sha256).hexdigest()
 
     def _request_ttl_ms(self) -> int:
         return int(self.settings.request_ttl * 1000)

@@ -9,11 +9,10 @@ import re
 from dataclasses import dataclass, field
 
 from kvservice import errors
-from kvservice.common.settings import echo
-
+from kvservice.common.settings import TENANT_NAME, echo
 
 LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+TENANT = TENANT_NAME
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 

@@ -85,6 +85,9 @@ async def running(settings: Settings):
     tls = server_tls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     if tls is not None:
         tls.credentials()
+    if settings.prefix_cache_secret_file:
+        with open(settings.prefix_cache_secret_file, "rb"):
+            pass
     embedded = None
     url = read_url(settings.redis_url_file) if settings.redis_url_file else settings.redis_url
     if not url:

@@ -37,12 +37,13 @@ import grpc
 
 from kvservice import errors
 from kvservice.common.interceptor import UnaryInterceptor, abort
+from kvservice.common.settings import TENANT_NAME
 
 log = logging.getLogger(__name__)
 
 ROLES = ("tenant", "worker", "admin")
 #: An identity's name: a tenant name or (for a worker) a pool id.
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+NAME = TENANT_NAME
 _LINE = re.compile(r"sha256:([0-9a-f]{64})\s+(\S+)\s+(\S+)")
 #: Seconds between two looks at the tokens file's modification time.
 RELOAD_INTERVAL = 1.0

@@ -18,6 +18,8 @@ from typing import Any
 ENV_PREFIX = "KVSERVICE_"
 #: Pool ids: letters, digits, ``_ . -``; at most 64; no ``:`` (it separates key families).
 POOL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+#: Tenant (and identity, group) names.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 #: The largest block size a pool may have (a power of two).
 MAX_BLOCK_SIZE = 256
 
