@@ -68,6 +68,17 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limits(args: argparse.Namespace) -> int:
+    from kvservice.tools.limits import main as limits_main
+
+    try:
+        settings = Settings.from_args(args)
+    except ValueError as exc:
+        print(f"kvservice limits: {exc}", file=sys.stderr)
+        return 2
+    return limits_main(settings)
+
+
 def _audit(args: argparse.Namespace) -> int:
     from kvservice.allocator.core import Allocator
     from kvservice.allocator.audit import run_audit
@@ -217,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", default="", metavar="HOST:PORT",
                    help="also write a Redis ACL file (users.acl) and its users' URLs for a Redis at HOST:PORT")
     p.set_defaults(func=_certs)
+
+    p = sub.add_parser("limits", help="run the worst call each per-call limit allows against a private Redis; "
+                                      "print how long each script held Redis")
+    Settings.add_arguments(p)
+    p.set_defaults(func=_limits)
 
     p = sub.add_parser("audit", help="check the allocator's invariants on a live Redis; exit 1 if broken")
     p.add_argument("--redis-url", default="", help="Redis URL (default $KVSERVICE_REDIS_URL)")
