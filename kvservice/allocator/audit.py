@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,10 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             bad(f"block {b} is {n} times in the free list")
         if not 0 <= b < fresh:
             bad(f"free-list block {b} is outside 0..{fresh - 1} (the used range)")
-    free = set(free_list) | set(range(fresh, num_blocks))
+    # The blocks from the fresh mark on were never used: free by construction. They are
+    # checked as one range (a pool of 2^24 blocks, mostly unused, costs what its used part
+    # costs); the sets below hold blocks of 0..fresh-1 only.
+    free = set(free_list)
     evictable = {b for b, _ in snap["evict"]}
     referenced = set(snap["ref"])
     reserved = {b for _, b in snap["reserve"]}
@@ -61,20 +65,24 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             bad(f"lease {lease} holds {counted.get(lease, 0)} reserved blocks, its journal record says {recorded}")
     for lease in sorted({lease for lease, _ in snap["reserve"]} - set(snap["leases"])):
         bad(f"lease {lease} holds a reserve but is unknown to the pool (it would never be reclaimed)")
-    for name, group in (("free", free), ("evictable", evictable), ("referenced", referenced),
-                        ("reserved", reserved)):
+    for name, group in (("evictable", evictable), ("referenced", referenced), ("reserved", reserved)):
         outside = [b for b in group if not 0 <= b < num_blocks]
         if outside:
             bad(f"{name} blocks outside 0..{num_blocks - 1}: {sorted(outside)[:10]}")
+        unused = [b for b in group if fresh <= b < num_blocks]
+        if unused:
+            bad(f"blocks both free and {name} (never used: at or past the fresh mark {fresh}): {sorted(unused)[:10]}")
     groups = (("free", free), ("evictable", evictable), ("referenced", referenced), ("reserved", reserved))
     for i, (n1, g1) in enumerate(groups):
         for n2, g2 in groups[i + 1:]:
             both = g1 & g2
             if both:
                 bad(f"blocks both {n1} and {n2}: {sorted(both)[:10]}")
-    missing = set(range(num_blocks)) - free - evictable - referenced - reserved
-    if missing:
-        bad(f"blocks in no set (lost): {sorted(missing)[:10]}")
+    accounted = sum(1 for b in free | evictable | referenced | reserved if 0 <= b < fresh)
+    if accounted != fresh:
+        missing = (b for b in range(fresh) if b not in free and b not in evictable and b not in referenced
+                   and b not in reserved)
+        bad(f"blocks in no set (lost): {[b for b, _ in zip(missing, range(10))]}")
 
     holders: Counter[int] = Counter()
     for n, rec in snap["seqs"].items():
@@ -101,7 +109,7 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     for b, h in b2h.items():
         if h2b.get(h) != b:
             bad(f"block {b} -> hash {h[:12]}.., but that hash -> {h2b.get(h)}")
-        if b in free:
+        if b in free or b >= fresh:
             bad(f"free block {b} still has a hash")
         if b in reserved:
             bad(f"reserved block {b} has a hash")
@@ -129,7 +137,7 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     if live != len(snap["seqs"]):
         bad(f"counters say {live} live sequences (created - freed) but {len(snap['seqs'])} exist")
     if counts is not None:
-        expect = {"num_free_blocks": len(free), "num_evictable_blocks": len(evictable),
+        expect = {"num_free_blocks": len(free) + num_blocks - fresh, "num_evictable_blocks": len(evictable),
                   "num_used_blocks": len(referenced), "num_sequences": len(snap["seqs"]),
                   "num_leases": len(snap["leases"]), "num_reserved_blocks": len(snap["reserve"])}
         for name, value in expect.items():
@@ -166,7 +174,9 @@ async def run_audit(allocator: Allocator, pool_id: str = "", *,
             if pool_id:
                 raise NotFound(f"pool {pool_id} is not registered")
             continue
-        problems += audit_pool(p, snap, snap["counts"])
+        # (the check is Python over the whole snapshot: in a thread, so that the replica's
+        # event loop goes on serving meanwhile)
+        problems += await asyncio.to_thread(audit_pool, p, snap, snap["counts"])
         if holdings is not None:
             holdings.extend(lease_holdings(p, snap))
         infos.append(await allocator.describe_pool(p))
