@@ -42,6 +42,10 @@ class PoolJournal:
     MAX_ENTRIES = 1024
     #: Blocks sent in one Sync at most (the allocator's max_blocks_per_call, by default).
     MAX_BLOCKS = 65536
+    #: Fork entries in one Sync at most, and the block references they add (each child:
+    #: its parent's blocks): the allocator's max_forks_per_call and max_fork_refs_per_call.
+    MAX_FORKS = 256
+    MAX_FORK_REFS = 8192
     LAGS = 100_000
     #: After a refill that got nothing (the pool is full), or a reserve given back for a
     #: create, no refill for this long (a step that needs blocks still asks at once).
@@ -168,7 +172,17 @@ class PoolJournal:
             for i, b in enumerate(self.num_blocks[:k]):
                 total += b
                 if total > self.MAX_BLOCKS:
-                    return max(i, 1)
+                    k = max(i, 1)
+                    break
+        if FORK in self.kinds[:k]:
+            forks = refs = 0
+            bs = self.block_size
+            for i in range(k):
+                if self.kinds[i] == FORK:
+                    forks += 1
+                    refs += -(-self.num_tokens[i] // bs)      # the parent's blocks, at the fork
+                    if forks > self.MAX_FORKS or refs > self.MAX_FORK_REFS:
+                        return max(i, 1)
         return k
 
     def entries(self, k: int) -> dict:

@@ -313,3 +313,35 @@ def test_malformed_cache_groups_are_refused(groups, message):
 
     with pytest.raises(ValueError, match=message):
         Settings(prefix_cache_groups=groups)
+
+
+def test_forks_are_bounded_per_call_and_a_refused_step_changes_nothing(redis_url):
+    """One step's forks used to be bounded only per parent (256 children): 1,024 parents of
+    1,024 tokens forking 256 each held Redis 16 s. Now at most max_forks_per_call children
+    and max_fork_refs_per_call block references (children x their parent's blocks)."""
+    s = TEST_SETTINGS
+    with ServerThread(redis_url, s, reap=False) as server, Client(server.target, keepalive=False) as c:
+        c.register_pool("forks", num_blocks=1 << 14, block_size=4)
+        parents = [c.create(list(range(i * 400, (i + 1) * 400)), pool="forks") for i in range(3)]   # 100 blocks
+        before = keyspace(redis_url)
+        with pytest.raises(errors.InvalidArgument, match=f"at most {s.max_forks_per_call} per call"):
+            c.step(forks={p: [[1]] * 100 for p in parents})                  # 300 children
+        refs = s.max_fork_refs_per_call // 100 + 1                           # one child too many
+        with pytest.raises(errors.InvalidArgument, match=f"more than {s.max_fork_refs_per_call} block references"):
+            c.step(forks={parents[0]: [[1]] * refs})
+        assert keyspace(redis_url) == before
+        assert len(c.step(forks={parents[0]: [[1]] * (refs - 1)}).children[parents[0].id]) == refs - 1
+
+
+def test_local_forks_beyond_one_call_s_bound_go_in_several_syncs(redis_url):
+    with ServerThread(redis_url, TEST_SETTINGS) as server, Client(server.target, local=True) as c:
+        c.register_pool("forks", num_blocks=1 << 15, block_size=4)
+        parent = c.create(list(range(400)), pool="forks")                   # 100 blocks
+        c.flush()
+        batches = c.pool_stats("forks").journal_batches
+        children = c.step(forks={parent: [[7]] * 200}).children[parent.id]  # 20,000 references
+        c.flush()
+        # (8,192 references per Sync at most: three batches at least)
+        assert len(children) == 200 and c.pool_stats("forks").journal_batches - batches >= 3
+        assert c.audit().ok
+        assert c.pool_stats("forks").num_sequences == 201

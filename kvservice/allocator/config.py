@@ -52,6 +52,10 @@ class Settings(EnvSettings):
     max_prompt_tokens: int = 1 << 20
     #: Children one sequence may fork in one step.
     max_forks_per_sequence: int = 256
+    #: Children one call (a Step, or a Sync's journal) may fork in all...
+    max_forks_per_call: int = 256
+    #: ... and block references they may add (each child: its parent's blocks).
+    max_fork_refs_per_call: int = 8192
     #: A lease's reserve in one pool: at most this share of the pool's blocks...
     reserve_share: float = 0.01
     #: ... and never less than this many blocks.
@@ -91,7 +95,8 @@ class Settings(EnvSettings):
                        "metrics_exporter_ttl", "redis_pool_timeout")
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
         check_in_range("max_message_mb", self.max_message_mb, 1, 1024)
-        for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence"):
+        for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence",
+                     "max_forks_per_call", "max_fork_refs_per_call"):
             check_in_range(name, getattr(self, name), 1, 2**31 - 1)
         if not (0 <= self.reserve_share <= 1 and 0 <= self.reserve_pressure_share <= 1):
             raise ValueError("reserve_share and reserve_pressure_share must be in 0..1")

@@ -264,7 +264,7 @@ class Allocator:
                 entries[r.pool_id] = resync_payload(r, geo)
             else:
                 entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
-                                                     self.settings.max_blocks_per_call)
+                                                     self.settings.max_blocks_per_call, self.settings.max_forks_per_call)
         # The keep-alive first; each pool's script raises the lease's deadline there itself.
         kept = await self.store.keep_alive(lease_id, self._tombstone_ms(),
                                            touched_by_caller=[r.pool_id for r in pools])
@@ -303,7 +303,8 @@ class Allocator:
                    "want": r.want_blocks, "cap": cap,
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
                    "pressure_cap": s.reserve_min_blocks, "returned": returned,
-                   "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks}
+                   "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks,
+                   "max_fork_refs": s.max_fork_refs_per_call}
         reply = await self._attached(lease_id, r.pool_id, payload, self.store.sync)
         return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"])
@@ -368,6 +369,9 @@ class Allocator:
                     raise _epoch_error(sid, pool_id, epoch, current)
             by_pool[pool_id]["updates"].append((i, canonical, self._update_payload(u, n, epoch, geo)))
 
+        children = sum(len(u.fork_grow_to) for u in updates)
+        if children > s.max_forks_per_call:
+            raise errors.InvalidArgument(f"the step forks {children} children, at most {s.max_forks_per_call} per call")
         tenant = ""
         packed = [_check_create(c, s.max_prompt_tokens) for c in creates]
         # The request's identity for retries: every field of every item.
@@ -485,7 +489,7 @@ class Allocator:
             items["hashes"].append(hs)
         return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
                 "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": lease_deadline,
-                "max_blocks": self.settings.max_blocks_per_call,
+                "max_blocks": self.settings.max_blocks_per_call, "max_fork_refs": self.settings.max_fork_refs_per_call,
                 "updates": [payload for _, _, payload in items["updates"]], "creates": creates}
 
     async def _attach(self, lease_id: str, pools: list[str]) -> tuple[str, int]:

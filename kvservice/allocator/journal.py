@@ -25,7 +25,7 @@ _COLUMNS = ("kinds", "sequences", "num_tokens", "children", "num_blocks", "num_c
 
 
 def journal_payload(j: JournalColumns | None, first_entry: int, pool_id: str, geo: Geometry,
-                    max_blocks: int) -> dict[str, Any]:
+                    max_blocks: int, max_forks: int = 256) -> dict[str, Any]:
     """The script's ``journal`` argument: the columns as they came, plus ``commits`` (the
     hex hash of every committed block, in order) and ``parents`` (the hex parent hash of
     each entry with commits). InvalidArgument names the first entry that is malformed."""
@@ -63,6 +63,9 @@ def journal_payload(j: JournalColumns | None, first_entry: int, pool_id: str, ge
                         f"the {len(j.blocks)} blocks sent")
     if len(j.blocks) > max_blocks:
         raise errors.InvalidArgument(f"pool {pool_id}: more than {max_blocks} blocks in one call")
+    forks = kinds.count(FORK)
+    if forks > max_forks:
+        raise errors.InvalidArgument(f"pool {pool_id}: {forks} fork entries in one call, at most {max_forks}")
     if j.blocks and (min(j.blocks) < 0 or max(j.blocks) >= geo.num_blocks):
         bad = next(b for b in j.blocks if not 0 <= b < geo.num_blocks)
         at, seen = 0, 0

@@ -2,8 +2,8 @@
 
 Every script runs alone in Redis: while one runs, every other caller waits (a lease whose
 keep-alive waits too long expires). The per-call limits (``max_items_per_call``,
-``max_blocks_per_call``, ``max_prompt_tokens``, ``max_forks_per_sequence``) bound what
-one call may ask; this tool builds, for each script, the largest call they allow, runs it
+``max_blocks_per_call``, ``max_prompt_tokens``, ``max_forks_per_sequence``,
+``max_forks_per_call``, ``max_fork_refs_per_call``) bound what one call may ask; this tool builds, for each script, the largest call they allow, runs it
 against a private Redis through the allocator, and reads how long Redis spent in it from
 Redis's own SLOWLOG (microseconds of execution, no network). The audit, which is Python
 over a snapshot, is timed by wall clock.
@@ -102,13 +102,19 @@ async def measure(settings: Any, progress: Callable[[str], None] = print) -> lis
         per = max(1, min(s.max_prompt_tokens, max_blocks * bs // n))
         await row("step", f"{n:,} creates of {per:,} tokens", lambda: a.step(
             lease, [], [Create(tuple(range(i * per, (i + 1) * per)), "limits") for i in range(n)]))
-        # 4. Forks: every item a parent forking its most children. The parents are the
-        #    creates of row 3 (per tokens each).
-        parents = (await a.step(lease, [], [Create(tuple(range(10**6 + i * per, 10**6 + (i + 1) * per)), "limits")
-                                            for i in range(n)])).created
+        # 4. Forks: the most children one call may fork (``max_forks_per_call``, each parent
+        #    at most ``max_forks_per_sequence``), of parents as long as the references they
+        #    add allow (``max_fork_refs_per_call``).
         k = s.max_forks_per_sequence
-        forks = [Update(p.sequence_id, p.num_tokens, fork_grow_to=(0,) * k) for p in parents]
-        await row("step", f"{len(forks)} parents of {per:,} tokens forking {k} children each",
+        children = min(s.max_forks_per_call, n * k)
+        nparents = -(-children // k)
+        parent_blocks = max(1, min(s.max_fork_refs_per_call // children, max_blocks // nparents))
+        ptoks = parent_blocks * bs
+        parents = (await a.step(lease, [], [Create(tuple(range(10**7 + i * ptoks, 10**7 + (i + 1) * ptoks)), "limits")
+                                            for i in range(nparents)])).created
+        forks = [Update(p.sequence_id, p.num_tokens, fork_grow_to=(0,) * min(k, children - i * k))
+                 for i, p in enumerate(parents)]
+        await row("step", f"{children} children of {nparents} parents of {parent_blocks} blocks",
                   lambda: a.step(lease, forks, []))
         # 5. A Sync that grants the most blocks at once (a reserve that ran dry).
         epoch = (await a.geometry("limits"))[0]

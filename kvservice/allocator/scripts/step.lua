@@ -5,6 +5,7 @@
 --- ARGV[1]: msgpack map
 ---   pool, request_id ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
 ---   lease_deadline_ms (0: the lease is attached to this pool already), max_blocks,
+---   max_fork_refs (the block references the step's forks may add at most),
 ---   updates = [{sequence (n of <pool>/<epoch>/<n>), epoch, num_tokens (-1: the
 ---     allocator's), grow_to (0: no growth), free, num_committed_blocks (the index of the
 ---     first commit), parent_hash (hex; '' without commits), fork_grow_to = [length of
@@ -228,9 +229,20 @@ local function grow(rec, g, bs)
   return cow
 end
 
--- Phase 3: forks (children share every block, then grow).
+-- Phase 3: forks (children share every block, then grow). The references they add are
+-- bounded (p.max_fork_refs): counted before any is planned, so a refused call costs little.
 local function fork_sequences(recs, bs)
   local kids = {}
+  local fork_refs = 0
+  for i, u in ipairs(ups) do
+    if #u.fork_grow_to > 0 then
+      fork_refs = fork_refs + #u.fork_grow_to * #recs[i].blocks
+      if fork_refs > p.max_fork_refs then
+        bad('INVALID_ARGUMENT', 'the step\'s forks would add more than ' .. p.max_fork_refs ..
+          ' block references (each child holds its parent\'s blocks)')
+      end
+    end
+  end
   for i, u in ipairs(ups) do
     if #u.fork_grow_to > 0 then
       local rec = recs[i]

@@ -31,7 +31,8 @@
 ---   hash hex of each entry with commits)}, want (the reserve size asked for), cap (the most a
 ---   lease may hold), pressure_blocks (below this many free + evictable blocks the cap
 ---   drops to pressure_cap), pressure_cap, returned = [blocks given back],
----   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap)}
+---   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap),
+---   max_fork_refs (the block references the batch's forks may add at most)}
 --- Returns msgpack {epoch, applied (the last entry applied), granted = [blocks added to
 ---   the reserve], num_reserved (the lease's reserve after the call), cap (the cap now:
 ---   the lease returns any surplus), first_sequence_number, num_sequence_numbers};
@@ -61,6 +62,7 @@ local from_reserve, to_reserve = {}, {}
 local pending, reg_hs, reg_bs, dups = {}, {}, {}, {}
 local stats = {cow_copies = 0, sequences_created = 0, sequences_freed = 0}
 local entry_no = 0
+local fork_refs = 0                   -- block references the batch's forks added
 
 local function refuse(message)
   bad('INVALID_ARGUMENT', 'journal entry ' .. string.format('%d', entry_no) .. ': ' .. message)
@@ -217,6 +219,10 @@ local function apply_entry(e, bs)
     if recs[cf] or redis.call('HEXISTS', K_SEQS, cf) == 1 then refuse('sequence ' .. cf .. ' exists already') end
     if e.child < 1 or e.child > (tonumber(redis.call('HGET', K_META, 'next_seq')) or 0) then
       refuse('sequence number ' .. cf .. ' was never granted')
+    end
+    fork_refs = fork_refs + math.ceil(e.num_tokens / bs)   -- (the SDK counts the same when it batches)
+    if fork_refs > p.max_fork_refs then
+      refuse('the batch\'s forks would add more than ' .. p.max_fork_refs .. ' block references')
     end
     local blocks = rec_blocks(rec)
     load_refs(blocks)
