@@ -88,7 +88,7 @@ def test_a_runtime_error_in_a_script_names_the_file_and_line(any_redis_url):
         script = r.register_script(lua.SCRIPTS["reap"].source)
         with pytest.raises(redis.ResponseError) as info:
             script(keys=keys.pool_keys("p0"), args=[codec.encode({"pool": "p0", "force_lease": "", "max_leases": 1,
-                                                                  "max_seqs": 1, "tombstone_ms": 1})])
+                                                                  "max_seqs": 1, "max_blocks": 64, "tombstone_ms": 1})])
         assert "user_script" in str(info.value)
         message = str(_explained("reap", info.value))
         where = f"lib/refs.lua:{_line_of('lib/refs.lua', 'refs[b] = refs[b] - 1')}"

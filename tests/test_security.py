@@ -345,3 +345,34 @@ def test_local_forks_beyond_one_call_s_bound_go_in_several_syncs(redis_url):
         assert len(children) == 200 and c.pool_stats("forks").journal_batches - batches >= 3
         assert c.audit().ok
         assert c.pool_stats("forks").num_sequences == 201
+
+
+def test_a_reap_frees_a_bounded_number_of_blocks_per_call(redis_url):
+    """A dead lease's sequences are freed over as many reap calls as their blocks take
+    (max_blocks per call, one sequence at least), not in one call that holds Redis."""
+    import asyncio
+
+    from kvservice.allocator.store import Store, connect
+
+    with ServerThread(redis_url, TEST_SETTINGS, reap=False) as server, \
+            Client(server.target, keepalive=False) as c:
+        c.register_pool("reap", num_blocks=4096, block_size=4)
+        for i in range(10):
+            c.create(list(range(i * 400, (i + 1) * 400)), pool="reap")        # 100 blocks each
+
+        async def reap_all() -> list[dict]:
+            store = Store(connect(redis_url))
+            try:
+                await store.revoke_lease(c.lease_id)
+                calls = []
+                while True:
+                    calls.append(await store.reap("reap", force_lease=c.lease_id, max_blocks=250))
+                    if not calls[-1]["more"]:
+                        return calls
+            finally:
+                await store.close()
+
+        calls = asyncio.run(reap_all())
+    # 250 blocks a call: two sequences of 100 blocks each, then the next one waits.
+    assert [x["sequences"] for x in calls] == [2, 2, 2, 2, 2], calls
+    assert calls[-1]["leases"] == 1

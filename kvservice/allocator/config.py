@@ -60,6 +60,9 @@ class Settings(EnvSettings):
     reserve_share: float = 0.01
     #: ... and never less than this many blocks.
     reserve_min_blocks: int = 4
+    #: Blocks one Sync's background refill grants at most (the next Sync grants more; what
+    #: a step needs at once is bounded by max_blocks_per_call instead).
+    max_refill_per_call: int = 2048
     #: While a pool's free + evictable blocks are below this share of it, the cap drops
     #: to ``reserve_min_blocks`` (clients return their surplus).
     reserve_pressure_share: float = 0.05
@@ -96,7 +99,7 @@ class Settings(EnvSettings):
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
         check_in_range("max_message_mb", self.max_message_mb, 1, 1024)
         for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence",
-                     "max_forks_per_call", "max_fork_refs_per_call"):
+                     "max_forks_per_call", "max_fork_refs_per_call", "max_refill_per_call"):
             check_in_range(name, getattr(self, name), 1, 2**31 - 1)
         if not (0 <= self.reserve_share <= 1 and 0 <= self.reserve_pressure_share <= 1):
             raise ValueError("reserve_share and reserve_pressure_share must be in 0..1")

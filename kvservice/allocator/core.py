@@ -304,7 +304,7 @@ class Allocator:
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
                    "pressure_cap": s.reserve_min_blocks, "returned": returned,
                    "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks,
-                   "max_fork_refs": s.max_fork_refs_per_call}
+                   "max_fork_refs": s.max_fork_refs_per_call, "max_refill": s.max_refill_per_call}
         reply = await self._attached(lease_id, r.pool_id, payload, self.store.sync)
         return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"])

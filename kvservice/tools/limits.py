@@ -116,9 +116,12 @@ async def measure(settings: Any, progress: Callable[[str], None] = print) -> lis
                  for i, p in enumerate(parents)]
         await row("step", f"{children} children of {nparents} parents of {parent_blocks} blocks",
                   lambda: a.step(lease, forks, []))
-        # 5. A Sync that grants the most blocks at once (a reserve that ran dry).
+        # 5. Syncs that grant the most blocks at once: a background refill of a pool this
+        #    large (its cap: 1% of 2^24 blocks), and a step that needs max_blocks at once.
         epoch = (await a.geometry("limits"))[0]
-        await row("sync", f"a refill of {max_blocks:,} blocks", lambda: a.sync(
+        await row("sync", f"a background refill (at most {s.max_refill_per_call:,} blocks)", lambda: a.sync(
+            lease, [ReserveRequest("limits", epoch, want_blocks=num_blocks)]))
+        await row("sync", f"the {max_blocks:,} blocks a step may need at once", lambda: a.sync(
             lease, [ReserveRequest("limits", epoch, need_blocks=max_blocks)]))
         # 6. The placement probe of a create without pool id: every hash of the prompt.
         await row("probe", f"placement of a {tokens:,}-token prompt", lambda: a.step(

@@ -3,7 +3,8 @@
 ---
 --- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
----   max_seqs, tombstone_ms}
+---   max_seqs, max_blocks (the freed sequences' blocks in all: past it, the rest waits for
+---   the next call; one sequence at least), tombstone_ms}
 --- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
 ---   freed), reserved (reserve blocks reclaimed), more (whether work is left)}; or an
 ---   error (lib/codec): NOT_FOUND.
@@ -23,6 +24,7 @@ if p.force_lease ~= '' and redis.call('ZSCORE', K_LEASES, p.force_lease) then
 end
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, p.max_leases)
 local budget = p.max_seqs
+local block_budget = p.max_blocks   -- the blocks of the freed sequences, in all
 local nseqs, nleases, more, reserved = 0, 0, false, 0
 local del, lseq_del = {}, {}
 for _, lease in ipairs(expired) do
@@ -31,25 +33,30 @@ for _, lease in ipairs(expired) do
   local take = math.min(#members, budget)
   if take > 0 then
     local ns = {}
-    for i = 1, take do
-      ns[i] = string.sub(members[i], #lease + 2)
-      lseq_del[#lseq_del + 1] = members[i]
-    end
+    for i = 1, take do ns[i] = string.sub(members[i], #lease + 2) end
     local metas = hmget_chunked(K_SEQS, ns)
     local tabs = hmget_chunked(K_TABS, ns)
     local recs, blocks = {}, {}
+    local done = 0
     for i = 1, take do
+      -- the block budget: always one sequence, then as many as fit
+      local nb = metas[i] and #(tabs[i] or '') / W or 0
+      if done > 0 and nb > block_budget then break end
+      done = i
+      lseq_del[#lseq_del + 1] = members[i]
       if metas[i] then
         local rec = load_rec(metas[i], tabs[i])
         recs[#recs + 1] = rec
         for _, b in ipairs(rec_blocks(rec)) do blocks[#blocks + 1] = b end
         del[#del + 1] = ns[i]
+        block_budget = block_budget - nb
       end
     end
     load_refs(blocks)
     for _, rec in ipairs(recs) do release(rec) end
     nseqs = nseqs + #recs
-    budget = budget - take
+    if done < take then budget = 0 else budget = budget - take end
+    take = done
   end
   if #members > take then
     more = true

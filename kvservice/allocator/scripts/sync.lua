@@ -32,7 +32,8 @@
 ---   lease may hold), pressure_blocks (below this many free + evictable blocks the cap
 ---   drops to pressure_cap), pressure_cap, returned = [blocks given back],
 ---   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap),
----   max_fork_refs (the block references the batch's forks may add at most)}
+---   max_fork_refs (the block references the batch's forks may add at most), max_refill
+---   (the most blocks a refill towards the reserve's size grants in one call)}
 --- Returns msgpack {epoch, applied (the last entry applied), granted = [blocks added to
 ---   the reserve], num_reserved (the lease's reserve after the call), cap (the cap now:
 ---   the lease returns any surplus), first_sequence_number, num_sequence_numbers};
@@ -401,12 +402,13 @@ end
 -- The refill, sized after the journal and the returns are written (the blocks they freed
 -- count as available). A refill towards the reserve's size takes free blocks only (it
 -- does not evict the prefix cache for blocks no step needs yet); what a step needs at
--- once (p.need) may evict.
+-- once (p.need) may evict. A refill takes at most p.max_refill blocks per call (the next
+-- Sync takes more): its cost is per block, and a large pool's cap is large.
 local available = available_now(plan.num_blocks)
 local cap = p.cap
 if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
 local unused = redis.call('LLEN', K_FREE) + plan.num_blocks - (tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0)
-local need = math.max(math.min(unused, math.max(0, math.min(p.want, cap) - plan.kept)),
+local need = math.max(math.min(unused, p.max_refill, math.max(0, math.min(p.want, cap) - plan.kept)),
                       math.min(available, math.max(0, p.need - plan.kept)))
 local granted = {}
 if need > 0 then
