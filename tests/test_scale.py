@@ -112,20 +112,30 @@ def test_a_message_beyond_the_limit_is_refused_before_it_is_decoded_and_memory_s
         stub = pb_grpc.AllocatorStub(channel)
         try:
             stub.ListPools(pb.ListPoolsRequest(), timeout=30)
-            before = _rss_mb(proc.proc.pid)
             big = pb.CreateSequenceRequest(lease_id="x", token_ids=[2**30] * ((24 << 20) // 5))   # ~24 MB
             assert big.ByteSize() > 16 << 20
-            peak = before
-            for _ in range(30):
-                with pytest.raises(grpc.RpcError) as info:
-                    stub.CreateSequence(big, timeout=60)
-                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
-                peak = max(peak, _rss_mb(proc.proc.pid))
-            # gRPC reads a refused message into buffers that come and go: the peak stays within
-            # a few messages (30 kept would be 720 MB; decoding each one cost ~220 MB).
-            print(f"\nallocator RSS over 30 refused 24 MB requests: {before:.0f} MB before, peak {peak - before:+.0f} MB, "
-                  f"after {_rss_mb(proc.proc.pid) - before:+.0f} MB")
-            assert peak - before < 4 * 24, f"the allocator grew by {peak - before:.0f} MB refusing 24 MB requests"
+
+            def refuse(n: int) -> float:
+                """Sends n refused requests; returns the peak RSS meanwhile (MB)."""
+                peak = 0.0
+                for _ in range(n):
+                    with pytest.raises(grpc.RpcError) as info:
+                        stub.CreateSequence(big, timeout=60)
+                    # (gRPC's own refusal: no handler saw it, nothing decoded it)
+                    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+                    assert "larger than max" in info.value.details(), info.value.details()
+                    peak = max(peak, _rss_mb(proc.proc.pid))
+                return peak
+
+            start = _rss_mb(proc.proc.pid)
+            warm = refuse(10)            # gRPC's read buffers and malloc's arenas settle
+            later = refuse(30)
+            # Kept, the 40 refused messages would be 960 MB (and decoding each one cost ~220 MB
+            # until collected); gRPC's read buffers and malloc's arenas come and go, within a
+            # few messages (measured: +10..50 MB over the first ten, +17..50 MB over the rest).
+            print(f"\nallocator RSS: {start:.0f} MB at the start, peak {warm:.0f} MB over 10 refused 24 MB requests, "
+                  f"{later:.0f} MB over 30 more")
+            assert later - start < 10 * 24, f"the allocator grew from {start:.0f} to {later:.0f} MB refusing 40"
             stub.ListPools(pb.ListPoolsRequest(), timeout=30)        # and it still serves
         finally:
             channel.close()
