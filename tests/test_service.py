@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvservice.client import Client
+from kvservice.allocator import keys
 from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
 from kvservice.tools.launcher import AllocatorProcess
 
@@ -123,3 +124,18 @@ def test_heartbeat_stamps_the_pool_at_its_epoch_and_a_new_epoch_rejects_the_old_
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"is at epoch {again.epoch}, not {pool.epoch}" in info.value.details()
     assert errors.BY_STATUS[info.value.code()] is errors.FailedPrecondition
+
+
+def test_serve_reads_its_redis_url_from_a_file(redis_url, tmp_path):
+    """A URL that carries a password comes from a file (a mounted Secret), not a flag."""
+    path = tmp_path / "redis-url"
+    path.write_text(redis_url + "\n")
+    with AllocatorProcess(env={"KVSERVICE_REDIS_URL_FILE": str(path)}) as proc:
+        assert proc.url == redis_url
+        with Client(proc.target, keepalive=False) as c:
+            c.register_pool("from-file", num_blocks=8, block_size=4)
+        assert redis.Redis.from_url(redis_url).exists(keys.pool_key("from-file", "meta"))
+    path.write_text("\n")
+    out = subprocess.run([sys.executable, "-m", "kvservice", "serve", "--port", "0"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "KVSERVICE_REDIS_URL_FILE": str(path)})
+    assert out.returncode == 2 and "redis_url_file" in out.stderr and "is empty" in out.stderr

@@ -27,6 +27,7 @@ from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, He
 from kvservice.allocator.journal import journal_payload, resync_payload
 from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
+from kvservice.common.security import read_secret
 from kvservice.common.settings import check_pool_id, echo
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,7 @@ class Allocator:
         self._groups = cache_groups(self.settings.prefix_cache_groups)
         self._secret: bytes | None = None
         if self.settings.prefix_cache_secret_file:
-            with open(self.settings.prefix_cache_secret_file, "rb") as f:
-                self._secret = f.readline().strip()
-            if not self._secret:
-                raise ValueError(f"prefix_cache_secret_file {self.settings.prefix_cache_secret_file} is empty")
+            self._secret = read_secret(self.settings.prefix_cache_secret_file, "prefix_cache_secret_file").encode()
 
     # ------------------------------------------------------------ pools
 

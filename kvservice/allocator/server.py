@@ -16,12 +16,12 @@ from kvservice.allocator.core import Allocator
 from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.allocator.metrics import AllocatorMetrics
 from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
-from kvservice.allocator.store import Store, connect, read_url, redacted
+from kvservice.allocator.store import Store, connect, redacted
 from kvservice.common.auth import AuthInterceptor, TokenFile
 from kvservice.common.grpc import build_server, write_port_file
 from kvservice.common.interceptor import ErrorInterceptor
 from kvservice.common.metrics import MetricsServer
-from kvservice.common.security import ServerTls, server_tls
+from kvservice.common.security import ServerTls, read_secret, server_tls
 from kvservice.v1 import allocator_pb2, allocator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,9 @@ async def running(settings: Settings):
     if tls is not None:
         tls.credentials()
     if settings.prefix_cache_secret_file:
-        with open(settings.prefix_cache_secret_file, "rb"):
-            pass
+        read_secret(settings.prefix_cache_secret_file, "prefix_cache_secret_file")
     embedded = None
-    url = read_url(settings.redis_url_file) if settings.redis_url_file else settings.redis_url
+    url = read_secret(settings.redis_url_file, "redis_url_file") if settings.redis_url_file else settings.redis_url
     if not url:
         embedded = EmbeddedRedis(secure=True).start()
         url = embedded.url

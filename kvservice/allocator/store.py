@@ -49,19 +49,6 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def read_url(path: str) -> str:
-    """The Redis URL in a file (its first line).
-
-    Raises:
-        ValueError: an empty file; OSError: an unreadable one.
-    """
-    with open(path, encoding="utf-8") as f:
-        url = f.readline().strip()
-    if not url:
-        raise ValueError(f"redis_url_file {path} is empty")
-    return url
-
-
 def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, **kwargs: Any) -> aioredis.Redis:
     """An asyncio Redis client for ``redis://``, ``rediss://`` or ``unix://`` URLs, over at
     most ``max_connections`` connections: a call that finds none free waits for one (up

@@ -115,7 +115,7 @@ class ClientCredentials:
         env = os.environ if env is None else env
         token = env.get(ENV + "TOKEN", "")
         if not token and env.get(ENV + "TOKEN_FILE"):
-            token = read_token(env[ENV + "TOKEN_FILE"])
+            token = read_secret(env[ENV + "TOKEN_FILE"])
         out = cls(token, env.get(ENV + "TLS_CA", ""), env.get(ENV + "CLIENT_CERT", ""),
                   env.get(ENV + "CLIENT_KEY", ""), env.get(ENV + "TLS_SERVER_NAME", ""))
         return replace(out, **{k: v for k, v in given.items() if v is not None})
@@ -153,17 +153,18 @@ class ClientCredentials:
         return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
 
 
-def read_token(path: str) -> str:
-    """The token in a file (its first line, stripped).
+def read_secret(path: str, what: str = "token file") -> str:
+    """A secret kept in a file (a token, a URL with a password, a key): its first line,
+    stripped (a mounted Secret, never a command line).
 
     Raises:
         ValueError: an empty file; OSError: an unreadable one.
     """
     with open(path, encoding="utf-8") as f:
-        token = f.readline().strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
+        secret = f.readline().strip()
+    if not secret:
+        raise ValueError(f"{what} {path} is empty")
+    return secret
 
 
 def _with_token(details: Any, token: str) -> Any:
