@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Any
 
@@ -99,6 +100,8 @@ class ServerThread(LoopThread):
     async def shutdown(self) -> None:
         if self._sweeper:
             self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper        # (ended before its loop closes)
         await self.server.stop(grace=0.5)
         await self.store.close()
 
