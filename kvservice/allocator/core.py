@@ -16,28 +16,26 @@ from collections import defaultdict
 from typing import Any
 
 from kvservice import errors
-from kvservice.allocator import codec
 from kvservice.common import hashing
 from kvservice.allocator.codec import STALE_EPOCH, ScriptError
 from kvservice.allocator.config import Settings, cache_groups
-from kvservice.allocator.domain import (LEASE_ID, REQUEST_ID, TENANT, Create, Heartbeat, LeaseInfo, PoolInfo,
-                                        ReserveGrant,
-                                        ReserveRequest, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
-                                        parse_sequence_id)
-from kvservice.allocator.journal import journal_payload, resync_payload
+from kvservice.allocator.domain import (TENANT, Create, Heartbeat, LeaseInfo, PoolInfo, SeqDelta, SeqState,
+                                        StepOutcome, Update, format_sequence_id, parse_sequence_id)
+from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, check_pool_arg, check_request_id,
+                                        commit_payload, epoch_error, fingerprint, geometry_of, lease_info, seq_state)
+from kvservice.allocator.reserves import ReserveOps
 from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
 from kvservice.common.security import read_secret
-from kvservice.common.settings import check_pool_id, echo
+from kvservice.common.settings import echo
 
 log = logging.getLogger(__name__)
-MAX_INT = 2**31 - 1
 #: Pools read at once by one call (ListPools, the placement of a create without pool id).
 FAN_OUT = 64
 DEFAULT_PAGE, MAX_PAGE = 100, 1000
 
 
-class Allocator:
+class Allocator(ReserveOps):
     """Pools, leases and sequences over one ``Store``."""
 
     def __init__(self, store: Store, settings: Settings | None = None) -> None:
@@ -58,9 +56,9 @@ class Allocator:
     async def register_pool(self, pool_id: str, geometry: Geometry, worker_address: str = "",
                             request_id: str = "") -> PoolInfo:
         if pool_id:
-            _check_pool_id(pool_id)
+            check_pool_arg(pool_id)
         geometry.check()
-        _check_request_id(request_id)
+        check_request_id(request_id)
         if len(worker_address) > 256:
             raise errors.InvalidArgument("worker_address is longer than 256 characters")
         if not pool_id:
@@ -111,7 +109,7 @@ class Allocator:
         return [i for i in infos if i is not None]
 
     async def describe_pool(self, pool_id: str) -> PoolInfo:
-        _check_pool_id(pool_id)
+        check_pool_arg(pool_id)
         info = await self._describe(pool_id)
         if info is None:
             raise errors.NotFound(f"pool {pool_id} is not registered")
@@ -122,7 +120,7 @@ class Allocator:
         if counts is None:
             return None
         meta = counts["meta"]
-        geometry = _geometry_of(meta)
+        geometry = geometry_of(meta)
         self._geometry[pool_id] = (int(meta["epoch"]), geometry)
         stats: dict[str, float] = {k: v for k, v in counts.items() if k.startswith("num_")}
         stats.update(counts["stats"])
@@ -134,7 +132,7 @@ class Allocator:
     async def heartbeat(self, pool_id: str, epoch: int, dead_since_ms: int = 0) -> Heartbeat:
         """Records a worker's heartbeat; returns the epoch, the Redis time and the leases
         that died in the pool since ``dead_since_ms``."""
-        _check_pool_id(pool_id)
+        check_pool_arg(pool_id)
         if not 1 <= epoch <= MAX_INT:
             raise errors.InvalidArgument(f"epoch must be in 1..{MAX_INT}, got {epoch}")
         if not 0 <= dead_since_ms <= 2**62:
@@ -150,7 +148,7 @@ class Allocator:
             if meta is None:
                 self._geometry.pop(pool_id, None)
                 raise errors.NotFound(f"pool {pool_id} is not registered")
-            self._geometry[pool_id] = (int(meta["epoch"]), _geometry_of(meta))
+            self._geometry[pool_id] = (int(meta["epoch"]), geometry_of(meta))
         return self._geometry[pool_id]
 
     # ------------------------------------------------------------ leases
@@ -163,7 +161,7 @@ class Allocator:
         if not s.min_lease_ttl <= ttl_seconds <= s.max_lease_ttl:
             raise errors.InvalidArgument(
                 f"ttl_seconds must be in {s.min_lease_ttl}..{s.max_lease_ttl}, got {ttl_seconds}")
-        _check_request_id(request_id)
+        check_request_id(request_id)
         if request_id:
             lease_id = hashlib.blake2b(f"{tenant}\0{request_id}".encode(), digest_size=8).hexdigest()
         else:
@@ -174,16 +172,16 @@ class Allocator:
                                               "request_id": request_id, "tombstone_ms": self._tombstone_ms()})
         if not reply.get("replay"):
             self.leases_granted += 1
-        return _lease_info(reply)
+        return lease_info(reply)
 
     async def keep_alive(self, lease_id: str) -> LeaseInfo:
-        _check_lease_id(lease_id)
+        check_lease_id(lease_id)
         reply = await self.store.keep_alive(lease_id, self._tombstone_ms())
-        return _lease_info(reply)
+        return lease_info(reply)
 
     async def revoke_lease(self, lease_id: str) -> int:
         """Revokes a lease and frees its sequences; returns how many were freed."""
-        _check_lease_id(lease_id)
+        check_lease_id(lease_id)
         pools = await self.store.revoke_lease(lease_id)
         self._leases.pop(lease_id, None)
         freed = 0
@@ -214,109 +212,6 @@ class Allocator:
                     break
         return total
 
-    # ------------------------------------------------------------ reserves
-
-    async def sync(self, lease_id: str, pools: list[ReserveRequest],
-                   request_id: str = "") -> tuple[LeaseInfo, list[ReserveGrant]]:
-        """Keeps the lease alive, then refills or takes back its reserve in each pool
-        (one script call per pool, all-or-nothing per pool). See SyncRequest in the proto."""
-        _check_lease_id(lease_id)
-        _check_request_id(request_id)
-        if len(pools) > self.settings.max_items_per_call:
-            raise errors.InvalidArgument(f"{len(pools)} pools in one Sync, at most {self.settings.max_items_per_call}")
-        seen: set[str] = set()
-        for r in pools:
-            _check_pool_id(r.pool_id)
-            if r.pool_id in seen:
-                raise errors.InvalidArgument(f"pool {r.pool_id} appears twice in one Sync")
-            seen.add(r.pool_id)
-            if not 1 <= r.epoch <= MAX_INT:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: epoch must be in 1..{MAX_INT}, got {r.epoch}")
-            if not 0 <= r.want_blocks <= MAX_INT:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: want_blocks {r.want_blocks} is out of range")
-            if not 0 <= r.need_blocks <= self.settings.max_blocks_per_call:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: need_blocks {r.need_blocks} is out of range "
-                                             f"(0..{self.settings.max_blocks_per_call})")
-            if r.entries is not None and len(r.entries) > self.settings.max_items_per_call:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.entries)} journal entries, at most "
-                                             f"{self.settings.max_items_per_call} per call")
-            if len(r.returned_blocks) > self.settings.max_blocks_per_call:
-                raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.returned_blocks)} returned blocks, at most "
-                                             f"{self.settings.max_blocks_per_call} per call")
-            if len(set(r.returned_blocks)) != len(r.returned_blocks):
-                raise errors.InvalidArgument(f"pool {r.pool_id}: a returned block appears twice")
-            current, geo = await self.geometry(r.pool_id)
-            if current != r.epoch:
-                current, geo = await self.geometry(r.pool_id, refresh=True)
-                if current != r.epoch:
-                    raise errors.FailedPrecondition(f"pool {r.pool_id} is at epoch {current}, not {r.epoch} "
-                                                    f"(re-registered since)", reason="EPOCH_CHANGED")
-            for b in r.returned_blocks:
-                if not 0 <= b < geo.num_blocks:
-                    raise errors.InvalidArgument(f"pool {r.pool_id}: returned block {b} is outside "
-                                                 f"0..{geo.num_blocks - 1}")
-        entries: dict[str, Any] = {}
-        for r in pools:
-            _, geo = await self.geometry(r.pool_id)
-            if r.resync is not None:
-                entries[r.pool_id] = resync_payload(r, geo)
-            else:
-                entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
-                                                     self.settings.max_blocks_per_call, self.settings.max_forks_per_call)
-        # The keep-alive first; each pool's script raises the lease's deadline there itself.
-        kept = await self.store.keep_alive(lease_id, self._tombstone_ms(),
-                                           touched_by_caller=[r.pool_id for r in pools])
-        lease = _lease_info(kept)
-        if not pools:
-            return lease, []
-        _, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
-        grants = await asyncio.gather(*(self._sync_pool(lease_id, r, entries[r.pool_id], deadline, request_id,
-                                                        lease.deadline_ms) for r in pools))
-        return lease, list(grants)
-
-    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: Any, deadline: int,
-                         request_id: str, touch_ms: int) -> ReserveGrant:
-        s = self.settings
-        _, geo = await self.geometry(r.pool_id)
-        cap = max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks))
-        if r.resync is not None:
-            payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
-                       "fingerprint": fingerprint("resync", [lease_id, r.pool_id, r.epoch, r.first_entry, entries])
-                       if request_id else "",
-                       "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
-                       "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "cap": cap, "claims": entries}
-            reply = await self._attached(lease_id, r.pool_id, payload, self.store.resync)
-            return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
-                                lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
-                                resynced=True)
-        returned = [int(b) for b in r.returned_blocks]
-        # The entries are known by their numbers (a resend is a no-op by numbering): the
-        # fingerprint covers the rest of the request and which entries it carries.
-        request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries["n"],
-                   r.want_sequence_numbers, r.need_blocks]
-        payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
-                   "fingerprint": fingerprint("sync", request) if request_id else "",
-                   "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
-                   "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "journal": entries,
-                   "want": r.want_blocks, "cap": cap,
-                   "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
-                   "pressure_cap": s.reserve_min_blocks, "returned": returned,
-                   "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks,
-                   "max_fork_refs": s.max_fork_refs_per_call, "max_refill": s.max_refill_per_call}
-        reply = await self._attached(lease_id, r.pool_id, payload, self.store.sync)
-        return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
-                            reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"])
-
-    async def _attached(self, lease_id: str, pool_id: str, payload: dict[str, Any], call: Any) -> dict[str, Any]:
-        """A Sync script call; once more after attaching the lease again when the pool no
-        longer knows it (LEASE_UNKNOWN: re-registered since it was attached)."""
-        try:
-            return await call(payload)
-        except ScriptError:
-            self._leases.pop(lease_id, None)
-            _, payload["lease_deadline_ms"] = await self._attach(lease_id, [pool_id])
-            return await call(payload)
-
     # ------------------------------------------------------------ sequences
 
     async def get_sequence(self, sequence_id: str) -> SeqState:
@@ -325,17 +220,17 @@ class Allocator:
         if current is None:
             raise errors.NotFound(f"pool {pool_id} is not registered")
         if current != epoch:
-            raise _epoch_error(sequence_id, pool_id, epoch, current)
+            raise epoch_error(sequence_id, pool_id, epoch, current)
         if rec is None:
             raise errors.NotFound(f"sequence {sequence_id} not found")
         _, geo = await self.geometry(pool_id)
-        return _state(pool_id, epoch, {"sequence": n, **rec}, rec["lease_id"], geo.block_size)
+        return seq_state(pool_id, epoch, {"sequence": n, **rec}, rec["lease_id"], geo.block_size)
 
     async def step(self, lease_id: str, updates: list[Update], creates: list[Create],
                    request_id: str = "") -> StepOutcome:
         """Applies one step: per pool all-or-nothing. See StepRequest in the proto."""
-        _check_lease_id(lease_id)
-        _check_request_id(request_id)
+        check_lease_id(lease_id)
+        check_request_id(request_id)
         s = self.settings
         if not updates and not creates:
             raise errors.InvalidArgument("a step needs at least one update or create")
@@ -364,14 +259,14 @@ class Allocator:
             if current != epoch:
                 current, geo = await self.geometry(pool_id, refresh=True)
                 if current != epoch:
-                    raise _epoch_error(sid, pool_id, epoch, current)
+                    raise epoch_error(sid, pool_id, epoch, current)
             by_pool[pool_id]["updates"].append((i, canonical, self._update_payload(u, n, epoch, geo)))
 
         children = sum(len(u.fork_grow_to) for u in updates)
         if children > s.max_forks_per_call:
             raise errors.InvalidArgument(f"the step forks {children} children, at most {s.max_forks_per_call} per call")
         tenant = ""
-        packed = [_check_create(c, s.max_prompt_tokens) for c in creates]
+        packed = [check_create(c, s.max_prompt_tokens) for c in creates]
         # The request's identity for retries: every field of every item.
         digest = ""
         if request_id:
@@ -467,7 +362,7 @@ class Allocator:
             return payload
         if t < 0:
             raise errors.InvalidArgument(f"sequence {sid}: commits need num_tokens")
-        _commit_payload(payload, f"sequence {sid}", u.parent_hash, commits, geo.block_size)
+        commit_payload(payload, f"sequence {sid}", u.parent_hash, commits, geo.block_size)
         return payload
 
     async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
@@ -541,9 +436,9 @@ class Allocator:
             cow = d.get("cow")
             updates[i] = SeqDelta(sid, d["num_tokens"], d.get("new_blocks", []), tuple(cow) if cow else None,
                                   d["num_committed_blocks"], bytes.fromhex(d["last_hash"]),
-                                  [_state(pool_id, epoch, k, lease_id, bs) for k in d["children"]], d["freed"])
+                                  [seq_state(pool_id, epoch, k, lease_id, bs) for k in d["children"]], d["freed"])
         for j, ((i, _, _), rec) in enumerate(zip(items["creates"], reply["created"])):
-            state = _state(pool_id, epoch, rec, lease_id, bs)
+            state = seq_state(pool_id, epoch, rec, lease_id, bs)
             state.block_hashes = tuple(items["hashes"][j][:state.num_committed_blocks])
             outcome.created[i] = state
         outcome.copies.extend((pool_id, src, dst) for src, dst in reply["copies"])
@@ -566,90 +461,3 @@ class Allocator:
     def _tombstone_ms(self) -> int:
         return int(self.settings.lease_tombstone * 1000)
 
-
-def _commit_payload(payload: dict[str, Any], what: str, parent: bytes, commits: Any, block_size: int) -> None:
-    """Sets ``parent_hash``, ``num_committed_blocks`` and ``commits`` (the hashes, hex) of a
-    step update's payload from its parent hash and ``BlockCommit``s."""
-    if len(parent) != hashing.HASH_BYTES:
-        raise errors.InvalidArgument(f"{what}: parent_hash must be {hashing.HASH_BYTES} bytes")
-    payload["parent_hash"] = parent.hex()
-    first = commits[0].index
-    if first < 0:
-        raise errors.InvalidArgument(f"{what}: commit starts at block {first}; block indexes start at 0")
-    hashes = payload["commits"]
-    index = first
-    for c in commits:
-        if c.index != index:
-            raise errors.InvalidArgument(f"{what}: commits must be consecutive blocks")
-        tokens = c.token_ids
-        if len(tokens) != block_size:
-            raise errors.InvalidArgument(
-                f"{what}: block {index} has {len(tokens)} tokens, a full block has {block_size}")
-        parent = hashing.block_hash_checked(parent, tokens, what)
-        hashes.append(parent.hex())
-        index += 1
-    payload["num_committed_blocks"] = first
-
-
-def _state(pool_id: str, epoch: int, rec: dict[str, Any], lease_id: str, block_size: int) -> SeqState:
-    """A sequence record (a script's reply record, or a stored one: ``store.parse_record``)."""
-    cow = rec.get("cow")
-    return SeqState(format_sequence_id(pool_id, epoch, rec["sequence"]), pool_id, epoch,
-                    rec.get("lease_id", lease_id), rec["block_table"], rec["num_tokens"], rec["num_cached_tokens"],
-                    rec["num_committed_blocks"], bytes.fromhex(rec["last_hash"]), tuple(cow) if cow else None,
-                    block_size)
-
-
-def _geometry_of(meta: dict[str, str]) -> Geometry:
-    return Geometry(int(meta["num_blocks"]), int(meta["block_size"]), int(meta["num_layers"]),
-                    int(meta["num_kv_heads"]), int(meta["head_dim"]), meta["dtype"])
-
-
-def _lease_info(reply: dict[str, Any]) -> LeaseInfo:
-    return LeaseInfo(reply["lease_id"], reply["tenant"], reply["ttl_ms"] / 1000, reply["deadline_ms"])
-
-
-def fingerprint(kind: str, request: Any) -> str:
-    """The identity of a request for retries under one request id: SHA-256 (64 hex digits)
-    over the msgpack form of everything the request says."""
-    return hashlib.sha256(codec.encode([kind, request])).hexdigest()
-
-
-def _epoch_error(sequence_id: str, pool_id: str, epoch: int, current: int) -> errors.KvsError:
-    """A sequence id of an epoch that is not the pool's: stale (FAILED_PRECONDITION), or
-    one that the pool has not reached, so the sequence never existed (NOT_FOUND)."""
-    if epoch > current:
-        return errors.NotFound(f"sequence {sequence_id} not found: pool {pool_id} is at epoch {current}")
-    return errors.FailedPrecondition(f"sequence {sequence_id} belongs to epoch {epoch} but pool {pool_id} "
-                                     f"was re-registered (epoch {current})", reason="EPOCH_CHANGED")
-
-
-def _check_pool_id(pool_id: str) -> None:
-    try:
-        check_pool_id(pool_id)
-    except ValueError as exc:
-        raise errors.InvalidArgument(str(exc)) from None
-
-
-def _check_lease_id(lease_id: str) -> None:
-    if not LEASE_ID.fullmatch(lease_id or ""):
-        raise errors.InvalidArgument(f"malformed lease_id {echo(lease_id)}")
-
-
-def _check_request_id(request_id: str) -> None:
-    if request_id and not REQUEST_ID.fullmatch(request_id):
-        raise errors.InvalidArgument(f"malformed request_id {echo(request_id)} (1..128 of A-Z a-z 0-9 _ . : -)")
-
-
-def _check_create(c: Create, max_prompt_tokens: int) -> bytes:
-    """Checks a create; returns its prompt as the bytes the block hashes take."""
-    if not c.token_ids:
-        raise errors.InvalidArgument("a create needs a non-empty prompt (token_ids)")
-    if len(c.token_ids) > max_prompt_tokens:
-        raise errors.InvalidArgument(f"prompt of {len(c.token_ids)} tokens, at most {max_prompt_tokens}")
-    data = hashing.token_bytes_checked(c.token_ids, "prompt")
-    if c.pool_id:
-        _check_pool_id(c.pool_id)
-    if len(c.extra_key) > 1024:
-        raise errors.InvalidArgument("extra_key is longer than 1024 bytes")
-    return data

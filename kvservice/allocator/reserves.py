@@ -1,0 +1,120 @@
+"""The allocator's Sync: a lease's journal applied, its reserve refilled or taken back,
+sequence numbers granted (DESIGN §5). A mixin of ``core.Allocator``: it uses the
+allocator's store, settings, geometry cache and lease attachment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvservice import errors
+from kvservice.allocator.checks import MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint, lease_info
+from kvservice.allocator.codec import ScriptError
+from kvservice.allocator.domain import LeaseInfo, ReserveGrant, ReserveRequest
+from kvservice.allocator.journal import journal_payload, resync_payload
+
+
+class ReserveOps:
+    """``Allocator.sync`` and its per-pool script calls."""
+
+    async def sync(self, lease_id: str, pools: list[ReserveRequest],
+                   request_id: str = "") -> tuple[LeaseInfo, list[ReserveGrant]]:
+        """Keeps the lease alive, then refills or takes back its reserve in each pool
+        (one script call per pool, all-or-nothing per pool). See SyncRequest in the proto."""
+        check_lease_id(lease_id)
+        check_request_id(request_id)
+        if len(pools) > self.settings.max_items_per_call:
+            raise errors.InvalidArgument(f"{len(pools)} pools in one Sync, at most {self.settings.max_items_per_call}")
+        seen: set[str] = set()
+        for r in pools:
+            check_pool_arg(r.pool_id)
+            if r.pool_id in seen:
+                raise errors.InvalidArgument(f"pool {r.pool_id} appears twice in one Sync")
+            seen.add(r.pool_id)
+            if not 1 <= r.epoch <= MAX_INT:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: epoch must be in 1..{MAX_INT}, got {r.epoch}")
+            if not 0 <= r.want_blocks <= MAX_INT:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: want_blocks {r.want_blocks} is out of range")
+            if not 0 <= r.need_blocks <= self.settings.max_blocks_per_call:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: need_blocks {r.need_blocks} is out of range "
+                                             f"(0..{self.settings.max_blocks_per_call})")
+            if r.entries is not None and len(r.entries) > self.settings.max_items_per_call:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.entries)} journal entries, at most "
+                                             f"{self.settings.max_items_per_call} per call")
+            if len(r.returned_blocks) > self.settings.max_blocks_per_call:
+                raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.returned_blocks)} returned blocks, at most "
+                                             f"{self.settings.max_blocks_per_call} per call")
+            if len(set(r.returned_blocks)) != len(r.returned_blocks):
+                raise errors.InvalidArgument(f"pool {r.pool_id}: a returned block appears twice")
+            current, geo = await self.geometry(r.pool_id)
+            if current != r.epoch:
+                current, geo = await self.geometry(r.pool_id, refresh=True)
+                if current != r.epoch:
+                    raise errors.FailedPrecondition(f"pool {r.pool_id} is at epoch {current}, not {r.epoch} "
+                                                    f"(re-registered since)", reason="EPOCH_CHANGED")
+            for b in r.returned_blocks:
+                if not 0 <= b < geo.num_blocks:
+                    raise errors.InvalidArgument(f"pool {r.pool_id}: returned block {b} is outside "
+                                                 f"0..{geo.num_blocks - 1}")
+        entries: dict[str, Any] = {}
+        for r in pools:
+            _, geo = await self.geometry(r.pool_id)
+            if r.resync is not None:
+                entries[r.pool_id] = resync_payload(r, geo)
+            else:
+                entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
+                                                     self.settings.max_blocks_per_call, self.settings.max_forks_per_call)
+        # The keep-alive first; each pool's script raises the lease's deadline there itself.
+        kept = await self.store.keep_alive(lease_id, self._tombstone_ms(),
+                                           touched_by_caller=[r.pool_id for r in pools])
+        lease = lease_info(kept)
+        if not pools:
+            return lease, []
+        _, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
+        grants = await asyncio.gather(*(self._sync_pool(lease_id, r, entries[r.pool_id], deadline, request_id,
+                                                        lease.deadline_ms) for r in pools))
+        return lease, list(grants)
+
+    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: Any, deadline: int,
+                         request_id: str, touch_ms: int) -> ReserveGrant:
+        s = self.settings
+        _, geo = await self.geometry(r.pool_id)
+        cap = max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks))
+        if r.resync is not None:
+            payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
+                       "fingerprint": fingerprint("resync", [lease_id, r.pool_id, r.epoch, r.first_entry, entries])
+                       if request_id else "",
+                       "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
+                       "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "cap": cap, "claims": entries}
+            reply = await self._attached(lease_id, r.pool_id, payload, self.store.resync)
+            return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
+                                lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
+                                resynced=True)
+        returned = [int(b) for b in r.returned_blocks]
+        # The entries are known by their numbers (a resend is a no-op by numbering): the
+        # fingerprint covers the rest of the request and which entries it carries.
+        request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries["n"],
+                   r.want_sequence_numbers, r.need_blocks]
+        payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
+                   "fingerprint": fingerprint("sync", request) if request_id else "",
+                   "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
+                   "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "journal": entries,
+                   "want": r.want_blocks, "cap": cap,
+                   "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
+                   "pressure_cap": s.reserve_min_blocks, "returned": returned,
+                   "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks,
+                   "max_fork_refs": s.max_fork_refs_per_call, "max_refill": s.max_refill_per_call}
+        reply = await self._attached(lease_id, r.pool_id, payload, self.store.sync)
+        return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
+                            reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"])
+
+    async def _attached(self, lease_id: str, pool_id: str, payload: dict[str, Any], call: Any) -> dict[str, Any]:
+        """A Sync script call; once more after attaching the lease again when the pool no
+        longer knows it (LEASE_UNKNOWN: re-registered since it was attached)."""
+        try:
+            return await call(payload)
+        except ScriptError:
+            self._leases.pop(lease_id, None)
+            _, payload["lease_deadline_ms"] = await self._attach(lease_id, [pool_id])
+            return await call(payload)
