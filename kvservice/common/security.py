@@ -167,17 +167,13 @@ def read_secret(path: str, what: str = "token file") -> str:
     return secret
 
 
-def _with_token(details: Any, token: str) -> Any:
-    metadata = list(details.metadata or ())
-    metadata.append(("authorization", f"Bearer {token}"))
-    return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
-
-
 class _Details(grpc.ClientCallDetails):
-    def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
+    """A call's details with the bearer token added to its metadata."""
+
+    def __init__(self, base: Any, token: str) -> None:
         self.method = base.method
         self.timeout = base.timeout
-        self.metadata = metadata
+        self.metadata = [*(base.metadata or ()), ("authorization", f"Bearer {token}")]
         self.credentials = base.credentials
         self.wait_for_ready = getattr(base, "wait_for_ready", None)
         self.compression = getattr(base, "compression", None)
@@ -190,7 +186,7 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor):
         self.token = token
 
     def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        return continuation(_with_token(client_call_details, self.token), request)
+        return continuation(_Details(client_call_details, self.token), request)
 
 
 class _AioBearer(grpc.aio.UnaryUnaryClientInterceptor):
