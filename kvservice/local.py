@@ -306,8 +306,8 @@ class LocalSteps:
         if s._num_tokens // s.block_size > s._committed:
             self._log_grow(pj, s)        # (its full blocks committed before they are shared)
         n = pj.numbers.popleft()
-        state = pb.Sequence(sequence_id=f"{s.pool}/{s.epoch}/{n}", pool_id=s.pool, epoch=s.epoch,
-                            block_table=s._table, num_tokens=s._num_tokens, num_cached_tokens=s.num_cached_tokens,
+        state = pb.Sequence(sequence_id=hashing.sequence_id(s.pool, s.epoch, n, self.lease_id), pool_id=s.pool,
+                            epoch=s.epoch, block_table=s._table, num_tokens=s._num_tokens, num_cached_tokens=s.num_cached_tokens,
                             num_committed_blocks=s._committed, last_hash=s._last_hash, block_size=s.block_size)
         child = Sequence(self, state, list(s._tail), private=False)
         pj.hold(s._table)

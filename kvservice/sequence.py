@@ -58,7 +58,7 @@ class Sequence:
     def __init__(self, client: "Client", state: pb.Sequence, tail: list[int], private: bool) -> None:
         self.client = client
         self.id = state.sequence_id
-        self.number = int(self.id.rsplit("/", 1)[1])   # n of <pool>/<epoch>/<n>
+        self.number = int(self.id.rsplit("/", 1)[1].partition("-")[0])   # n of <pool>/<epoch>/<n>-<tag>
         self.pool = state.pool_id
         self.epoch = state.epoch
         self.block_size = state.block_size

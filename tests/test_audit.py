@@ -70,7 +70,7 @@ CORRUPTIONS = {
     "evictable without hash": (lambda r, x, y: r.hdel(_k("b2h"), int(r.zrange(_k("evict"), 0, 0)[0])),
                                "has no hash"),
     "counter drift": (lambda r, x, y: r.hincrby(_k("stats"), "sequences_created", 1), "live sequences"),
-    "table too short": (lambda r, x, y: r.hset(_k("tabs"), y.id.split("/")[2],
+    "table too short": (lambda r, x, y: r.hset(_k("tabs"), str(y.number),
                                                 "".join(f"{b:06x}" for b in y.block_table[:2])),
                         "2 blocks for 11 tokens"),
     "reserved and free": (lambda r, x, y: r.hset(_k("reserve"), "31", x.client.lease_id),

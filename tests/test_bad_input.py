@@ -82,9 +82,13 @@ class Base:
     main_hash: bytes = b""
     pools: tuple[str, ...] = ("p0", "p1")
 
+    @property
+    def other_untagged(self) -> str:
+        return self.other.rpartition("-")[0]
+
     def future(self, sid: str) -> str:
         pool, _, n = sid.split("/")
-        return f"{pool}/9/{n}"
+        return f"{pool}/9/{n.partition('-')[0]}"
 
 
 def _build_baseline(target: str, redis_url: str) -> Base:
@@ -131,7 +135,7 @@ def _build_baseline(target: str, redis_url: str) -> Base:
 
     # Wait until the reaper has freed the expired lease's sequence: the state is then still.
     deadline = time.monotonic() + 10
-    n_e = int(b.e_seq.rsplit("/", 1)[1])
+    n_e = int(b.e_seq.rsplit("/", 1)[1].partition("-")[0])
     while n_e in snapshot(redis_url, "p0")["seqs"]:
         assert time.monotonic() < deadline, "the reaper did not free the expired lease's sequence"
         time.sleep(0.02)
@@ -366,10 +370,14 @@ for rpc, call in LEASE_CALLS.items():
     row(rpc, "malformed-request-id", lambda b, c=call: _with(c(b, b.A), request_id="bad rid!"), IA,
         "malformed request_id 'bad rid!'")
     if rpc != "CreateSequence":
-        row(rpc, "sequence-of-another-lease", lambda b, r=rpc: _on(r, b, b.A, b.other), PD,
-            "sequence {b.other} belongs to another lease")
-        row(rpc, "other-lease-on-my-sequence", lambda b, r=rpc: _on(r, b, b.B, b.priv), PD,
-            "sequence {b.priv} belongs to another lease")
+        # A sequence id's tag is its lease's: to another lease, the id names nothing...
+        row(rpc, "sequence-of-another-lease", lambda b, r=rpc: _on(r, b, b.A, b.other), NF,
+            "sequence {b.other} not found")
+        row(rpc, "other-lease-on-my-sequence", lambda b, r=rpc: _on(r, b, b.B, b.priv), NF,
+            "sequence {b.priv} not found")
+        # ... and untagged (a server without authentication takes that), the pool refuses it.
+        row(rpc, "untagged-sequence-of-another-lease", lambda b, r=rpc: _on(r, b, b.A, b.other_untagged), PD,
+            "sequence {b.other_untagged} belongs to another lease")
         row(rpc, "revoked-lease-own-sequence", lambda b, r=rpc: _on(r, b, b.R, b.r_seq), FP,
             ("lease {b.R}", "revoked"))
         row(rpc, "expired-lease-own-sequence", lambda b, r=rpc: _on(r, b, b.E, b.e_seq), FP,
@@ -507,7 +515,7 @@ row("Step", "commit-ok-but-grow-below", commit_step([commit(1, GOOD_BLOCK)], gro
     "grow_to 4 is below num_tokens 9")
 row("Step", "commit-ok-but-foreign-sequence-too", lambda b: pb.StepRequest(lease_id=b.A, updates=[
     upd(b.priv, num_tokens=9, parent_hash=b.priv_hash, commits=[commit(1, GOOD_BLOCK)]),
-    upd(b.other, grow_to=12)]), PD, "sequence {b.other} belongs to another lease")
+    upd(b.other, grow_to=12)]), NF, "sequence {b.other} not found")
 row("Step", "good-creates-then-bad-update", lambda b: pb.StepRequest(
     lease_id=b.A, creates=[pb.CreateOp(token_ids=list(range(10)), pool_id="p0")],
     updates=[upd(b.priv, grow_to=5)]), IA, "grow_to 5 is below num_tokens 9")

@@ -49,7 +49,7 @@ class Lease:
 
 
 def _n(seq: pb.Sequence) -> int:
-    return int(seq.sequence_id.rsplit("/", 1)[1])
+    return int(seq.sequence_id.rsplit("/", 1)[1].partition("-")[0])
 
 
 def _get(stub, n: int) -> pb.Sequence:

@@ -106,9 +106,14 @@ def test_server_refuses_a_foreign_lease(server, client, pool):
     with Client(server.target) as other:
         seq = other.create([1, 2, 3], pool=pool)
         from kvservice.v1 import allocator_pb2 as pb
-        with pytest.raises(errors.PermissionDenied, match="belongs to another lease"):
+        # The id's tag is the other lease's: to this lease, no such sequence.
+        with pytest.raises(errors.NotFound, match=f"sequence {seq.id} not found"):
             client._call(client.stub.FreeSequences,
                          pb.FreeSequencesRequest(lease_id=client.lease_id, sequence_ids=[seq.id]))
+        # Untagged (taken on a server without authentication), the pool itself refuses it.
+        with pytest.raises(errors.PermissionDenied, match="belongs to another lease"):
+            client._call(client.stub.FreeSequences,
+                         pb.FreeSequencesRequest(lease_id=client.lease_id, sequence_ids=[seq.id.partition("-")[0]]))
 
 
 def test_create_without_a_pool_prefers_the_longest_cached_prefix_then_free_blocks(client):

@@ -166,12 +166,25 @@ def test_lease_theft_through_get_sequence_fails(secured):
     """An open allocator answered GetSequence for anyone, with the owner's lease id; the
     ids are sequential, so every sequence could be found and its lease taken over."""
     s = secured
-    pool, epoch, n = s.seq.split("/")
+    pool, epoch, rest = s.seq.split("/")
+    n, _, tag = rest.partition("-")
+    assert len(tag) == 12
     for guess in range(1, int(n) + 5):
+        for sid in (f"{pool}/{epoch}/{guess}", f"{pool}/{epoch}/{guess}-{tag}", f"{pool}/{epoch}/{guess}-{'0' * 12}"):
+            with pytest.raises(grpc.RpcError) as info:
+                s.call("GetSequence", pb.GetSequenceRequest(sequence_id=sid), "globex")
+            assert info.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
+            assert s.lease not in info.value.details()
+    # The owner itself names its sequence by the whole id: without the tag, or with a
+    # guessed one, it is not found (a guess tells nothing of which numbers are in use).
+    assert s.call("GetSequence", pb.GetSequenceRequest(sequence_id=s.seq), "acme").lease_id == s.lease
+    for sid in (f"{pool}/{epoch}/{n}", f"{pool}/{epoch}/{n}-{'0' * 12}", f"{pool}/{epoch}/{int(n) + 1}-{tag}"):
         with pytest.raises(grpc.RpcError) as info:
-            s.call("GetSequence", pb.GetSequenceRequest(sequence_id=f"{pool}/{epoch}/{guess}"), "globex")
-        assert info.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
-        assert s.lease not in info.value.details()
+            s.call("GetSequence", pb.GetSequenceRequest(sequence_id=sid), "acme")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert info.value.details() == f"sequence {sid} not found"
+    # An admin may leave the tag out.
+    assert s.call("GetSequence", pb.GetSequenceRequest(sequence_id=f"{pool}/{epoch}/{n}"), "ops").lease_id == s.lease
     # Even knowing the lease id, globex can do nothing with it.
     with pytest.raises(grpc.RpcError) as info:
         s.call("KeepAlive", pb.KeepAliveRequest(lease_id=s.lease), "globex")

@@ -346,7 +346,7 @@ def simulate(m0: Model, pool: str, owner: str, lease: str, tenant: str, appends:
         for child, tokens in kids.get(sid, []):
             m.next_seq += 1
             child.n = m.next_seq
-            child.sid = f"{pool}/1/{child.n}"
+            child.sid = hashing.sequence_id(pool, 1, child.n, child.lease)
             m.seqs[child.sid] = child
             out.children.setdefault(sid, []).append(child.sid)
         if sid in frees:
@@ -365,7 +365,7 @@ def simulate(m0: Model, pool: str, owner: str, lease: str, tenant: str, appends:
     for rec in made:
         m.next_seq += 1
         rec.n = m.next_seq
-        rec.sid = f"{pool}/1/{rec.n}"
+        rec.sid = hashing.sequence_id(pool, 1, rec.n, rec.lease)
         m.seqs[rec.sid] = rec
         out.created.append(rec.sid)
     if made:

@@ -44,8 +44,16 @@ def test_hashes_depend_on_salt_extra_key_parent_and_every_token():
 
 
 def test_sequence_ids_round_trip_and_reject_garbage():
-    assert parse_sequence_id(format_sequence_id("w-0.a", 3, 17)) == ("w-0.a", 3, 17)
-    for bad in ("", "w0", "w0/1", "w0/x/1", "w0/1/2/3", "w 0/1/2", "w0/-1/2"):
+    sid = format_sequence_id("w-0.a", 3, 17, "0123456789abcdef")
+    tag = hashing.sequence_tag("0123456789abcdef", "w-0.a", 3, 17)
+    assert sid == f"w-0.a/3/17-{tag}" and len(tag) == 12
+    assert parse_sequence_id(sid) == ("w-0.a", 3, 17, tag)
+    assert parse_sequence_id("w-0.a/3/17") == ("w-0.a", 3, 17, "")
+    # the tag follows the lease and the sequence: another lease, or a neighbour, differs
+    assert tag != hashing.sequence_tag("0123456789abcdee", "w-0.a", 3, 17)
+    assert tag != hashing.sequence_tag("0123456789abcdef", "w-0.a", 3, 18)
+    for bad in ("", "w0", "w0/1", "w0/x/1", "w0/1/2/3", "w 0/1/2", "w0/-1/2", "w0/1/2-", "w0/1/2-abc",
+                f"w0/1/2-{tag.upper()}", f"w0/1/2-{tag}0"):
         with pytest.raises(errors.InvalidArgument, match="malformed sequence_id"):
             parse_sequence_id(bad)
 

@@ -46,8 +46,8 @@ def commit_payload(payload: dict[str, Any], what: str, parent: bytes, commits: A
 def seq_state(pool_id: str, epoch: int, rec: dict[str, Any], lease_id: str, block_size: int) -> SeqState:
     """A sequence record (a script's reply record, or a stored one: ``store.parse_record``)."""
     cow = rec.get("cow")
-    return SeqState(format_sequence_id(pool_id, epoch, rec["sequence"]), pool_id, epoch,
-                    rec.get("lease_id", lease_id), rec["block_table"], rec["num_tokens"], rec["num_cached_tokens"],
+    lease_id = rec.get("lease_id", lease_id)
+    return SeqState(format_sequence_id(pool_id, epoch, rec["sequence"], lease_id), pool_id, epoch, lease_id, rec["block_table"], rec["num_tokens"], rec["num_cached_tokens"],
                     rec["num_committed_blocks"], bytes.fromhex(rec["last_hash"]), tuple(cow) if cow else None,
                     block_size)
 

@@ -26,6 +26,7 @@ from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, c
 from kvservice.allocator.reserves import ReserveOps
 from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
+from kvservice.common.auth import caller
 from kvservice.common.security import read_secret
 from kvservice.common.settings import echo
 
@@ -43,7 +44,7 @@ class Allocator(ReserveOps):
         self.settings = settings or Settings()
         self._geometry: dict[str, tuple[int, Geometry]] = {}
         self._leases: dict[str, tuple[str, set[str]]] = {}   # lease -> (tenant, attached pools)
-        self._sequence_ids: dict[str, tuple[str, int, int, str]] = {}   # parsed ids of recent steps
+        self._sequence_ids: dict[str, tuple[str, int, int, str, str, str]] = {}   # parsed ids of recent steps
         #: Leases this replica granted (retries of one request count once); read by metrics.
         self.leases_granted = 0
         self._groups = cache_groups(self.settings.prefix_cache_groups)
@@ -215,13 +216,16 @@ class Allocator(ReserveOps):
     # ------------------------------------------------------------ sequences
 
     async def get_sequence(self, sequence_id: str) -> SeqState:
-        pool_id, epoch, n = parse_sequence_id(sequence_id)
+        """A sequence's record. Its id's tag must be the one its lease gives (a wrong or
+        missing one reads as an unknown sequence), except for an admin or on a server
+        without authentication, who may leave the tag out."""
+        pool_id, epoch, n, tag = parse_sequence_id(sequence_id)
         current, rec = await self.store.get_sequence(pool_id, n)
         if current is None:
             raise errors.NotFound(f"pool {pool_id} is not registered")
         if current != epoch:
             raise epoch_error(sequence_id, pool_id, epoch, current)
-        if rec is None:
+        if rec is None or not _tag_fits(tag, rec["lease_id"], pool_id, epoch, n):
             raise errors.NotFound(f"sequence {sequence_id} not found")
         _, geo = await self.geometry(pool_id)
         return seq_state(pool_id, epoch, {"sequence": n, **rec}, rec["lease_id"], geo.block_size)
@@ -244,13 +248,16 @@ class Allocator(ReserveOps):
         for i, u in enumerate(updates):
             sid = u.sequence_id
             ids = parsed.get(sid)
-            if ids is None:
-                pool_id, epoch, n = parse_sequence_id(sid)
-                ids = (pool_id, epoch, n, format_sequence_id(pool_id, epoch, n))
+            if ids is None or ids[4] != lease_id:
+                pool_id, epoch, n, tag = parse_sequence_id(sid)
+                if not _tag_fits(tag, lease_id, pool_id, epoch, n):
+                    await self._check_lease(lease_id)     # (an unknown or expired lease is the error then)
+                    raise errors.NotFound(f"sequence {sid} not found")
+                ids = (pool_id, epoch, n, format_sequence_id(pool_id, epoch, n, lease_id), lease_id, tag)
                 if len(parsed) >= 100_000:
                     parsed.clear()
                 parsed[sid] = ids
-            pool_id, epoch, n, canonical = ids
+            pool_id, epoch, n, canonical, _, tag = ids
             if sid in seen:
                 raise errors.InvalidArgument(f"sequence {sid} appears twice in one step")
             seen.add(sid)
@@ -260,7 +267,7 @@ class Allocator(ReserveOps):
                 current, geo = await self.geometry(pool_id, refresh=True)
                 if current != epoch:
                     raise epoch_error(sid, pool_id, epoch, current)
-            by_pool[pool_id]["updates"].append((i, canonical, self._update_payload(u, n, epoch, geo)))
+            by_pool[pool_id]["updates"].append((i, canonical, self._update_payload(u, n, epoch, geo, tag)))
 
         children = sum(len(u.fork_grow_to) for u in updates)
         if children > s.max_forks_per_call:
@@ -333,7 +340,7 @@ class Allocator(ReserveOps):
 
     # ------------------------------------------------------------ helpers
 
-    def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry) -> dict[str, Any]:
+    def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry, tag: str) -> dict[str, Any]:
         """The update as the step script takes it (``scripts/step.lua``). Runs for every
         update of every step: each field is read once (``u`` may be a proto message)."""
         sid = u.sequence_id
@@ -355,7 +362,7 @@ class Allocator(ReserveOps):
             for f in forks:
                 if not 0 <= f <= MAX_INT:
                     raise errors.InvalidArgument(f"sequence {sid}: fork_grow_to {f} is out of range")
-        payload = {"sequence": n, "epoch": epoch, "num_tokens": t, "grow_to": g, "free": free,
+        payload = {"sequence": n, "tag": tag, "epoch": epoch, "num_tokens": t, "grow_to": g, "free": free,
                    "num_committed_blocks": 0, "parent_hash": "", "fork_grow_to": forks, "commits": []}
         commits = u.commits
         if not commits:
@@ -461,3 +468,11 @@ class Allocator(ReserveOps):
     def _tombstone_ms(self) -> int:
         return int(self.settings.lease_tombstone * 1000)
 
+
+def _tag_fits(tag: str, lease_id: str, pool_id: str, epoch: int, n: int) -> bool:
+    """Whether a sequence id's tag is the one ``lease_id`` gives it; a missing tag fits for
+    an admin and when nobody is authenticated."""
+    if not tag:
+        ident = caller()
+        return ident is None or ident.role == "admin"
+    return hmac.compare_digest(tag, hashing.sequence_tag(lease_id, pool_id, epoch, n))

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvservice import errors
+from kvservice.common import hashing
 from kvservice.common.settings import TENANT_NAME, echo
 
 LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -194,18 +195,21 @@ class PoolInfo:
     last_heartbeat_ms: int = 0
 
 
-#: ``<pool>/<epoch>/<n>``: ASCII digits only (``str.isdigit`` also takes "²" and "١"), and
-#: few enough of them to stay exact in the scripts' Lua numbers (doubles).
-SEQUENCE_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{1,15})/([0-9]{1,15})")
+#: ``<pool>/<epoch>/<n>-<tag>``: ASCII digits only (``str.isdigit`` also takes "²" and
+#: "١"), and few enough of them to stay exact in the scripts' Lua numbers (doubles); the
+#: tag (``hashing.sequence_tag``, 12 hex digits) may be left out by an admin, or by anyone
+#: on a server without authentication.
+SEQUENCE_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/([0-9]{1,15})/([0-9]{1,15})(?:-([0-9a-f]{12}))?")
 
 
-def parse_sequence_id(sequence_id: str) -> tuple[str, int, int]:
-    """``"<pool>/<epoch>/<n>"`` -> (pool, epoch, n); InvalidArgument when malformed."""
+def parse_sequence_id(sequence_id: str) -> tuple[str, int, int, str]:
+    """``"<pool>/<epoch>/<n>-<tag>"`` -> (pool, epoch, n, tag or ""); InvalidArgument when
+    malformed."""
     m = SEQUENCE_ID.fullmatch(sequence_id)
     if m:
-        return m.group(1), int(m.group(2)), int(m.group(3))
-    raise errors.InvalidArgument(f"malformed sequence_id {echo(sequence_id)} (expected <pool>/<epoch>/<n>)")
+        return m.group(1), int(m.group(2)), int(m.group(3)), m.group(4) or ""
+    raise errors.InvalidArgument(f"malformed sequence_id {echo(sequence_id)} (expected <pool>/<epoch>/<n>-<tag>)")
 
 
-def format_sequence_id(pool_id: str, epoch: int, n: int) -> str:
-    return f"{pool_id}/{epoch}/{n}"
+def format_sequence_id(pool_id: str, epoch: int, n: int, lease_id: str) -> str:
+    return hashing.sequence_id(pool_id, epoch, n, lease_id)

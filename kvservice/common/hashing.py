@@ -88,3 +88,16 @@ def chain_runs(parents: bytes, data: bytes, block_size: int, runs: list[int]) ->
             append(parent)
             off += width
     return out
+
+
+def sequence_tag(lease_id: str, pool_id: str, epoch: int, n: int) -> str:
+    """The unguessable part of a sequence id (``<pool>/<epoch>/<n>-<tag>``): a hash keyed
+    by the lease that holds the sequence, whose id only its tenant sees. Whoever lacks the
+    lease cannot name the sequence; the allocator checks it against the record's lease
+    without storing it."""
+    return blake2b(f"{pool_id}/{epoch}/{n}".encode(), key=lease_id.encode()[:64], digest_size=6).hexdigest()
+
+
+def sequence_id(pool_id: str, epoch: int, n: int, lease_id: str) -> str:
+    """A sequence's id as the service hands it out."""
+    return f"{pool_id}/{epoch}/{n}-{sequence_tag(lease_id, pool_id, epoch, n)}"

@@ -6,7 +6,8 @@
 ---   pool, request_id ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
 ---   lease_deadline_ms (0: the lease is attached to this pool already), max_blocks,
 ---   max_fork_refs (the block references the step's forks may add at most),
----   updates = [{sequence (n of <pool>/<epoch>/<n>), epoch, num_tokens (-1: the
+---   updates = [{sequence (n of <pool>/<epoch>/<n>-<tag>), tag (as the caller gave it, for
+---     messages: '' or the tag that the allocator checked), epoch, num_tokens (-1: the
 ---     allocator's), grow_to (0: no growth), free, num_committed_blocks (the index of the
 ---     first commit), parent_hash (hex; '' without commits), fork_grow_to = [length of
 ---     each child after the step], commits = [hash hex of each committed block]}],
@@ -30,7 +31,9 @@ local ups, creates = p.updates, p.creates
 local lease = p.lease_id
 
 local function sid_of(u)
-  return p.pool .. '/' .. string.format('%d', u.epoch) .. '/' .. u.field
+  local sid = p.pool .. '/' .. string.format('%d', u.epoch) .. '/' .. u.field
+  if u.tag ~= '' then sid = sid .. '-' .. u.tag end
+  return sid
 end
 
 -- Checks the epochs and the lease; returns the pool's geometry and whether the lease
