@@ -23,6 +23,8 @@ PERMISSION_DENIED      PERMISSION_DENIED    a sequence of another lease; a lease
 UNAUTHENTICATED        UNAUTHENTICATED      no credentials, or credentials the server does not
                                             know
 BLOCKS_EXHAUSTED       RESOURCE_EXHAUSTED   not enough free + evictable blocks in a pool
+QUOTA_EXCEEDED         RESOURCE_EXHAUSTED   the call would take the tenant past a quota
+                                            (docs/security.md)
 UNAVAILABLE            UNAVAILABLE          the allocator (or its Redis) cannot be reached
 DEADLINE_EXCEEDED      DEADLINE_EXCEEDED    the call's deadline passed
 INTERNAL               any other code       a failure the service did not report on purpose
@@ -123,23 +125,29 @@ class DeadlineExceeded(KvsError):
 
 
 class ResourceExhausted(KvsError):
-    """Not enough free + evictable blocks in a pool; nothing was changed.
+    """Not enough free + evictable blocks in a pool, or a tenant's quota reached (reason
+    QUOTA_EXCEEDED); nothing was changed.
 
     Attributes:
-        pool_id: the pool that ran short.
-        needed: blocks the request needed.
-        available: blocks that were free or evictable.
+        pool_id: the pool that ran short ("" for the lease quota).
+        needed: blocks (or sequences, leases) the request needed.
+        available: blocks that were free or evictable (or what the quota had left).
+        quota: the quota reached ("blocks", "sequences", "leases"), or "".
+        limit: that quota's limit.
     """
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "BLOCKS_EXHAUSTED"
 
-    def __init__(self, message: str, *, pool_id: str = "", needed: int = 0,
-                 available: int = 0, partial: object | None = None, reason: str | None = None) -> None:
-        super().__init__(message, partial=partial, reason=reason)
+    def __init__(self, message: str, *, pool_id: str = "", needed: int = 0, available: int = 0,
+                 partial: object | None = None, reason: str | None = None, quota: str = "",
+                 limit: int = 0) -> None:
+        super().__init__(message, partial=partial, reason=reason or ("QUOTA_EXCEEDED" if quota else None))
         self.pool_id = pool_id
         self.needed = needed
         self.available = available
+        self.quota = quota
+        self.limit = limit
 
 
 BY_CODE_NAME: dict[str, type[KvsError]] = {
@@ -157,4 +165,4 @@ BY_STATUS: dict[grpc.StatusCode, type[KvsError]] = {cls.code: cls for cls in BY_
 
 #: Every ErrorInfo reason the service sends (documented in docs/allocator.md).
 REASONS = ("NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "LEASE_EXPIRED", "EPOCH_CHANGED",
-           "PERMISSION_DENIED", "UNAUTHENTICATED", "BLOCKS_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL")
+           "PERMISSION_DENIED", "UNAUTHENTICATED", "BLOCKS_EXHAUSTED", "QUOTA_EXCEEDED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL")

@@ -80,6 +80,8 @@ class PoolJournal:
         #: Blocks a step in progress counts on (beyond the cap: not surplus until it is done).
         self.floor = 0
         self.starved_until = 0.0
+        #: The quota that kept the last grant below the need, and its limit ("", 0: none).
+        self.quota: tuple[str, int] = ("", 0)
         self.returning: list[int] = []
         #: When each pending entry was logged (monotonic), and the lags of acknowledged
         #: entries (logged -> applied, seconds; the most recent LAGS of them).
@@ -243,6 +245,7 @@ class PoolJournal:
             self.starved_until = time.monotonic() + self.STARVED_BACKOFF
         first = reply.first_sequence_number
         self.numbers.extend(range(first, first + reply.num_sequence_numbers))
+        self.quota = (reply.quota, reply.quota_limit)
 
     def sync_failed(self) -> None:
         """A Sync that did not go through: the returned blocks are still ours."""

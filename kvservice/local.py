@@ -245,10 +245,19 @@ class LocalSteps:
             if not short:
                 return
             if attempt:
-                pool, (blocks, _) = next(iter(short.items()))
-                have = len(self._journals[pool].reserve)
+                pool, (blocks, numbers) = next(iter(short.items()))
+                pj = self._journals[pool]
+                have = len(pj.reserve)
+                quota, limit = pj.quota
+                if quota == "sequences":
+                    raise errors.ResourceExhausted(
+                        f"pool {pool}: the step forks {numbers} sequences, the lease holds {len(pj.numbers)} "
+                        f"sequence numbers: the tenant's quota of sequences per pool is {limit}",
+                        pool_id=pool, needed=numbers, available=len(pj.numbers), quota=quota, limit=limit)
+                why = f": the tenant's quota of blocks per pool is {limit}" if quota == "blocks" else ""
                 raise errors.ResourceExhausted(f"pool {pool}: the step needs up to {blocks} blocks, the lease's "
-                                               f"reserve holds {have}", pool_id=pool, needed=blocks, available=have)
+                                               f"reserve holds {have}{why}", pool_id=pool, needed=blocks,
+                                               available=have, quota=quota if why else "", limit=limit if why else 0)
             self._sync_once(short, recheck=shortfall)
 
     def _blocks_for(self, s: "Sequence", added: int, forked: bool) -> int:

@@ -41,7 +41,8 @@ def to_domain_error(exc: grpc.RpcError) -> errors.KvsError:
     if cls is errors.ResourceExhausted:
         err: errors.KvsError = errors.ResourceExhausted(
             message, pool_id=meta.get("pool_id", ""), needed=_int(meta.get("needed")),
-            available=_int(meta.get("available")), partial=partial, reason=reason)
+            available=_int(meta.get("available")), partial=partial, reason=reason, quota=meta.get("quota", ""),
+            limit=_int(meta.get("limit")))
     else:
         err = cls(message, partial=partial, reason=reason)
         if cls is errors.KvsError:

@@ -6,7 +6,10 @@
   (evictable blocks always do, free blocks never);
 - the counts reported by the stats equal the sets they count;
 - every sequence record is well formed (table length matches its token count, committed
-  blocks are full) and indexed under its lease, and every lease index entry has a record.
+  blocks are full) and indexed under its lease, and every lease index entry has a record;
+- the holdings kept for the quotas (``scripts/lib/held.lua``) are what the leases hold:
+  per lease its tables' block references plus its reserve, at least its sequences; per
+  tenant the sums over its leases.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
         if rec["lease_id"] not in snap["leases"]:
             bad(f"sequence {n} hangs off lease {rec['lease_id']}, unknown to the pool")
 
+    _audit_holdings(snap, counted, bad)
     st = snap.get("stats", {})
     live = st.get("sequences_created", 0) - st.get("sequences_freed", 0)
     if live != len(snap["seqs"]):
@@ -144,6 +148,38 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             if counts.get(name) != value:
                 bad(f"{name} reports {counts.get(name)} but the set holds {value}")
     return problems
+
+
+def _audit_holdings(snap: dict[str, Any], reserved: Counter, bad: Any) -> None:
+    refs: Counter[str] = Counter()
+    seqs: Counter[str] = Counter()
+    for rec in snap["seqs"].values():
+        refs[rec["lease_id"]] += len(rec["block_table"])
+        seqs[rec["lease_id"]] += 1
+    held = snap.get("held", {})
+    sums: dict[str, list[int]] = {}
+    for key, value in sorted(held.items()):
+        if not key.startswith("L:"):
+            continue
+        lease = key[2:]
+        tenant, blocks, sequences = value
+        if blocks != refs[lease] + reserved[lease]:
+            bad(f"lease {lease} is counted to hold {blocks} blocks, but holds {refs[lease]} block references "
+                f"in its tables and {reserved[lease]} in reserve")
+        if sequences < seqs[lease]:
+            bad(f"lease {lease} is counted to hold {sequences} sequences, but holds {seqs[lease]}")
+        s = sums.setdefault(tenant, [0, 0, 0])
+        s[0] += blocks
+        s[1] += sequences
+        s[2] += 1
+    for lease in sorted(set(refs) | {lease for lease, n in reserved.items() if n}):
+        if f"L:{lease}" not in held:
+            bad(f"lease {lease} holds blocks that no tenant's holdings count")
+    tenants = {key[2:]: tuple(value) for key, value in held.items() if key.startswith("T:")}
+    for tenant in sorted(set(tenants) | set(sums)):
+        if tenants.get(tenant) != tuple(sums.get(tenant, ())):
+            bad(f"tenant {tenant}'s holdings read {tenants.get(tenant)} (blocks, sequences, leases), "
+                f"its leases' sum to {tuple(sums.get(tenant, ()))}")
 
 
 def lease_holdings(pool_id: str, snap: dict[str, Any]) -> list[LeaseHoldings]:

@@ -66,6 +66,15 @@ class Settings(EnvSettings):
     #: While a pool's free + evictable blocks are below this share of it, the cap drops
     #: to ``reserve_min_blocks`` (clients return their surplus).
     reserve_pressure_share: float = 0.05
+    #: Quotas of every tenant (0: none; docs/security.md): blocks it holds in one pool (one
+    #: per block reference in its sequences' tables, plus its reserves), its sequences in
+    #: one pool (with the sequence numbers granted to it and not used yet), its live leases.
+    quota_blocks: int = 0
+    quota_sequences: int = 0
+    quota_leases: int = 0
+    #: Quotas of named tenants, beside those: ``tenant=blocks:N,sequences:N,leases:N;...``
+    #: (a quota left out is the default one; 0: none).
+    quotas: str = ""
     #: Lease TTL bounds (seconds).
     min_lease_ttl: float = 0.1
     max_lease_ttl: float = 3600.0
@@ -94,6 +103,9 @@ class Settings(EnvSettings):
         if self.prefix_cache_scope not in ("tenant", "global"):
             raise ValueError(f"prefix_cache_scope must be 'tenant' or 'global', got {self.prefix_cache_scope!r}")
         cache_groups(self.prefix_cache_groups)
+        for name in ("quota_blocks", "quota_sequences", "quota_leases"):
+            check_in_range(name, getattr(self, name), 0, 2**31 - 1)
+        tenant_quotas(self.quotas)
         check_positive(self, "reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",
                        "metrics_exporter_ttl", "redis_pool_timeout")
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
@@ -128,3 +140,32 @@ def cache_groups(text: str) -> dict[str, str]:
                 raise ValueError(f"prefix_cache_groups: tenant {t} is in groups {out[t]} and {group}")
             out[t] = group
     return out
+
+
+QUOTA_NAMES = ("blocks", "sequences", "leases")
+
+
+def tenant_quotas(text: str) -> dict[str, dict[str, int]]:
+    """``quotas`` parsed: tenant -> {quota name: limit} for the quotas it names.
+
+    Raises:
+        ValueError: a malformed entry, an unknown quota, a tenant named twice.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        tenant, sep, items = entry.partition("=")
+        tenant = tenant.strip()
+        if not sep or not TENANT_NAME.fullmatch(tenant) or not items.strip():
+            raise ValueError(f"quotas: {entry!r} is not tenant=blocks:N,sequences:N,leases:N")
+        if tenant in out:
+            raise ValueError(f"quotas: tenant {tenant} is named twice")
+        limits: dict[str, int] = {}
+        for item in items.split(","):
+            name, _, value = item.strip().partition(":")
+            if name not in QUOTA_NAMES or not value.isascii() or not value.isdigit() or int(value) >= 2**31:
+                raise ValueError(f"quotas: {item.strip()!r} for tenant {tenant} is not one of "
+                                 f"{', '.join(n + ':N' for n in QUOTA_NAMES)} (N in 0..2^31-1)")
+            limits[name] = int(value)
+        out[tenant] = limits
+    return out
+

@@ -18,7 +18,7 @@ from typing import Any
 from kvservice import errors
 from kvservice.common import hashing
 from kvservice.allocator.codec import STALE_EPOCH, ScriptError
-from kvservice.allocator.config import Settings, cache_groups
+from kvservice.allocator.config import Settings, cache_groups, tenant_quotas
 from kvservice.allocator.domain import (TENANT, Create, Heartbeat, LeaseInfo, PoolInfo, SeqDelta, SeqState,
                                         StepOutcome, Update, format_sequence_id, parse_sequence_id)
 from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, check_pool_arg, check_request_id,
@@ -48,6 +48,9 @@ class Allocator(ReserveOps):
         #: Leases this replica granted (retries of one request count once); read by metrics.
         self.leases_granted = 0
         self._groups = cache_groups(self.settings.prefix_cache_groups)
+        self._tenant_quotas = tenant_quotas(self.settings.quotas)
+        s = self.settings
+        self._quotas_on = bool(s.quota_blocks or s.quota_sequences or s.quota_leases or self._tenant_quotas)
         self._secret: bytes | None = None
         if self.settings.prefix_cache_secret_file:
             self._secret = read_secret(self.settings.prefix_cache_secret_file, "prefix_cache_secret_file").encode()
@@ -168,6 +171,9 @@ class Allocator(ReserveOps):
         else:
             lease_id = secrets.token_hex(8)
         ttl_ms = max(1, round(ttl_seconds * 1000))
+        limit = self.quota(tenant)["leases"]
+        if limit:
+            await self.store.tenant_leases(tenant, "admit", lease_id, ttl_ms=ttl_ms, limit=limit)
         reply = await self.store.grant_lease({"lease_id": lease_id, "tenant": tenant, "ttl_ms": ttl_ms,
                                               "fingerprint": fingerprint("grant", [tenant, ttl_ms]),
                                               "request_id": request_id, "tombstone_ms": self._tombstone_ms()})
@@ -178,13 +184,24 @@ class Allocator(ReserveOps):
     async def keep_alive(self, lease_id: str) -> LeaseInfo:
         check_lease_id(lease_id)
         reply = await self.store.keep_alive(lease_id, self._tombstone_ms())
+        await self._kept_alive(reply)
         return lease_info(reply)
+
+    async def _kept_alive(self, reply: dict[str, Any]) -> None:
+        """A keep-alive's reply: the lease's new deadline in its tenant's live leases, where
+        the tenant has a lease quota."""
+        if self.quota(reply["tenant"])["leases"]:
+            await self.store.tenant_leases(reply["tenant"], "touch", reply["lease_id"],
+                                           deadline_ms=reply["deadline_ms"])
 
     async def revoke_lease(self, lease_id: str) -> int:
         """Revokes a lease and frees its sequences; returns how many were freed."""
         check_lease_id(lease_id)
+        tenant = await self._lease_tenant(lease_id) if self._quotas_on else ""
         pools = await self.store.revoke_lease(lease_id)
         self._leases.pop(lease_id, None)
+        if tenant and self.quota(tenant)["leases"]:
+            await self.store.tenant_leases(tenant, "drop", lease_id)
         freed = 0
         for pool_id in pools:
             while True:
@@ -300,6 +317,8 @@ class Allocator(ReserveOps):
                 by_pool[placed[i]]["creates"].append((i, c, packed[i]))
         else:
             lease_deadline = 0
+        if not tenant and self._quotas_on:
+            tenant = await self._lease_tenant(lease_id)    # (its quotas)
         outcome = StepOutcome([None] * len(updates), [None] * len(creates), [])
         pools = list(by_pool)
         payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_deadline, request_id, digest)
@@ -321,7 +340,8 @@ class Allocator(ReserveOps):
             if isinstance(reply, Exception):
                 if isinstance(reply, errors.ResourceExhausted):
                     reply.pool_id = pool_id
-                    await self.store.count_failure(pool_id)
+                    if not reply.quota:       # (a quota is the tenant's limit, not the pool's)
+                        await self.store.count_failure(pool_id)
                 if not isinstance(reply, errors.KvsError):
                     raise reply
                 first_error = first_error or reply
@@ -389,6 +409,7 @@ class Allocator(ReserveOps):
             items["hashes"].append(hs)
         return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
                 "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": lease_deadline,
+                "tenant": tenant, "quota": self.quota(tenant),
                 "max_blocks": self.settings.max_blocks_per_call, "max_fork_refs": self.settings.max_fork_refs_per_call,
                 "updates": [payload for _, _, payload in items["updates"]], "creates": creates}
 
@@ -406,6 +427,26 @@ class Allocator(ReserveOps):
         attached.update(pools)
         self._leases[lease_id] = (tenant, attached)
         return tenant, reply["deadline_ms"]
+
+    async def _lease_tenant(self, lease_id: str) -> str:
+        """The lease's tenant ("" for an unknown lease), cached."""
+        cached = self._leases.get(lease_id)
+        if cached is not None:
+            return cached[0]
+        tenant = await self.store.lease_tenant(lease_id)
+        if tenant is None:
+            return ""
+        if len(self._leases) > 100_000:
+            self._leases.clear()
+        self._leases[lease_id] = (tenant, set())
+        return tenant
+
+    def quota(self, tenant: str) -> dict[str, int]:
+        """A tenant's quotas (0: none): blocks and sequences per pool, leases."""
+        s = self.settings
+        q = {"blocks": s.quota_blocks, "sequences": s.quota_sequences, "leases": s.quota_leases}
+        q.update(self._tenant_quotas.get(tenant, {}))
+        return q
 
     async def _check_lease(self, lease_id: str) -> None:
         """Raises NotFound or FailedPrecondition unless the lease is live (writes nothing)."""

@@ -163,6 +163,9 @@ class ReserveGrant:
     lost_sequences: tuple[int, ...] = ()
     reserve_blocks: tuple[int, ...] = ()
     resynced: bool = False
+    #: The quota ("blocks", "sequences") that kept the grant below what was needed now, and its limit.
+    quota: str = ""
+    quota_limit: int = 0
 
 
 @dataclass(frozen=True, slots=True)

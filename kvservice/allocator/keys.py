@@ -27,6 +27,9 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``journal`` hash: lease id -> ``"<applied> <reserved>"``: the number of the last entry
   of the lease's journal applied in this pool, and the size of its reserve
   (``scripts/lib/reserve.lua``)
+- ``held``   hash: what each tenant holds here, for its quotas (``scripts/lib/held.lua``):
+  ``L:<lease>`` -> ``"<tenant> <blocks> <sequences>"``, ``T:<tenant>`` -> ``"<blocks>
+  <sequences> <leases>"``
 
 Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
 
@@ -34,7 +37,8 @@ Per request (same slot as its pool): ``kvs:{<pool>}:req:<request id>``, the fing
 of the request and its reply (``scripts/lib/request.lua``). Per lease:
 ``kvs:{L:<lease>}`` (tenant, TTL, deadline), ``kvs:{L:<lease>}:pools`` (where it holds
 sequences) and ``kvs:{L:<lease>}:place:<request id>`` (where a request's pool-less creates
-were placed). Global: ``kvs:pools`` (the registry of pool ids), ``kvs:pools:next`` (the
+were placed). Per tenant: ``kvs:{T:<tenant>}:leases`` (zset lease id -> deadline: its
+live leases, kept while it has a lease quota). Global: ``kvs:pools`` (the registry of pool ids), ``kvs:pools:next`` (the
 counter of ``pool-<n>`` ids), ``kvs:pools:req:<request id>`` (the id a registration
 without a pool id got), ``kvs:exporter`` (the metrics exporter lease).
 
@@ -51,11 +55,11 @@ POOL_COUNTER = f"{PREFIX}:pools:next"
 #: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
-                  "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal")
+                  "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal", "held")
 
 
 def pool_keys(pool_id: str) -> list[str]:
-    """The 15 keys of one pool, in script KEYS order."""
+    """The 16 keys of one pool, in script KEYS order."""
     return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
 
 
@@ -76,6 +80,11 @@ def pool_id_request_key(request_id: str) -> str:
 def placement_key(lease_id: str, request_id: str) -> str:
     """Where a request's pool-less creates were placed (same slot as the lease)."""
     return f"{PREFIX}:{{L:{lease_id}}}:place:{request_id}"
+
+
+def tenant_leases_key(tenant: str) -> str:
+    """A tenant's live leases, while it has a lease quota (``scripts/tenant_leases.lua``)."""
+    return f"{PREFIX}:{{T:{tenant}}}:leases"
 
 
 def lease_keys(lease_id: str) -> list[str]:

@@ -68,15 +68,16 @@ class ReserveOps:
         # The keep-alive first; each pool's script raises the lease's deadline there itself.
         kept = await self.store.keep_alive(lease_id, self._tombstone_ms(),
                                            touched_by_caller=[r.pool_id for r in pools])
+        await self._kept_alive(kept)
         lease = lease_info(kept)
         if not pools:
             return lease, []
-        _, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
-        grants = await asyncio.gather(*(self._sync_pool(lease_id, r, entries[r.pool_id], deadline, request_id,
-                                                        lease.deadline_ms) for r in pools))
+        tenant, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
+        grants = await asyncio.gather(*(self._sync_pool(lease_id, tenant, r, entries[r.pool_id], deadline,
+                                                        request_id, lease.deadline_ms) for r in pools))
         return lease, list(grants)
 
-    async def _sync_pool(self, lease_id: str, r: ReserveRequest, entries: Any, deadline: int,
+    async def _sync_pool(self, lease_id: str, tenant: str, r: ReserveRequest, entries: Any, deadline: int,
                          request_id: str, touch_ms: int) -> ReserveGrant:
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
@@ -85,8 +86,9 @@ class ReserveOps:
             payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
                        "fingerprint": fingerprint("resync", [lease_id, r.pool_id, r.epoch, r.first_entry, entries])
                        if request_id else "",
-                       "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
-                       "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "cap": cap, "claims": entries}
+                       "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "tenant": tenant,
+                       "lease_deadline_ms": deadline, "touch_deadline_ms": touch_ms, "first_entry": r.first_entry,
+                       "cap": cap, "claims": entries}
             reply = await self._attached(lease_id, r.pool_id, payload, self.store.resync)
             return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
                                 lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
@@ -98,7 +100,8 @@ class ReserveOps:
                    r.want_sequence_numbers, r.need_blocks]
         payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
                    "fingerprint": fingerprint("sync", request) if request_id else "",
-                   "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": deadline,
+                   "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "tenant": tenant,
+                   "quota": self.quota(tenant), "lease_deadline_ms": deadline,
                    "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "journal": entries,
                    "want": r.want_blocks, "cap": cap,
                    "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
@@ -107,7 +110,8 @@ class ReserveOps:
                    "max_fork_refs": s.max_fork_refs_per_call, "max_refill": s.max_refill_per_call}
         reply = await self._attached(lease_id, r.pool_id, payload, self.store.sync)
         return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
-                            reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"])
+                            reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"],
+                            quota=reply["quota"], quota_limit=reply["quota_limit"])
 
     async def _attached(self, lease_id: str, pool_id: str, payload: dict[str, Any], call: Any) -> dict[str, Any]:
         """A Sync script call; once more after attaching the lease again when the pool no

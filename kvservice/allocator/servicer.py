@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvservice.allocator.access import Access
+from kvservice.allocator.access import TENANT, Access
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.core import Allocator
 from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant,
                                         ReserveRequest, SeqDelta, SeqState, SequenceClaim, StepOutcome, Update)
+from kvservice.common.auth import caller
 from kvservice.common.geometry import Geometry
 from kvservice.common.settings import echo
 from kvservice.errors import InvalidArgument
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
-STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in ("pool_id", "epoch")]
+#: The pool's figures and counters (the tenant's own holdings and quotas are GetPoolStats').
+STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in ("pool_id", "epoch")
+               and not f.name.startswith(("tenant", "quota_"))]
 
 
 def pool_to_pb(info: PoolInfo) -> pb.Pool:
@@ -27,9 +30,16 @@ def pool_to_pb(info: PoolInfo) -> pb.Pool:
     return out
 
 
+#: The figures of a pool that a tenant sees (the others sum every tenant's activity).
+POOL_FIGURES = ("num_blocks", "num_free_blocks", "num_evictable_blocks", "num_used_blocks", "usage")
+
+
 def stats_to_pb(info: PoolInfo) -> pb.PoolStats:
     values = {k: info.stats.get(k, 0) for k in STAT_FIELDS}
     values = {k: (float(v) if k == "usage" else int(v)) for k, v in values.items()}
+    ident = caller()
+    if ident is not None and ident.role == TENANT:
+        values = {k: v for k, v in values.items() if k in POOL_FIGURES}
     return pb.PoolStats(pool_id=info.pool_id, epoch=info.epoch, **values)
 
 
@@ -43,7 +53,8 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
                           num_reserved_blocks=g.num_reserved_blocks, reserve_cap=g.reserve_cap,
                           applied_entries=g.applied_entries, first_sequence_number=g.first_sequence_number,
                           num_sequence_numbers=g.num_sequence_numbers, lost_sequences=g.lost_sequences,
-                          reserve_blocks=g.reserve_blocks, resynced=g.resynced)
+                          reserve_blocks=g.reserve_blocks, resynced=g.resynced, quota=g.quota,
+                          quota_limit=g.quota_limit)
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
@@ -110,7 +121,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pool_to_pb(await self.a.describe_pool(request.pool_id))
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest, context: Any) -> pb.PoolStats:
-        return stats_to_pb(await self.a.describe_pool(request.pool_id))
+        out = stats_to_pb(await self.a.describe_pool(request.pool_id))
+        ident = caller()
+        if ident is not None and ident.role == TENANT:
+            blocks, sequences, leases = await self.a.store.tenant_holdings(request.pool_id, ident.name)
+            q = self.a.quota(ident.name)
+            out.tenant, out.tenant_blocks, out.tenant_sequences, out.tenant_leases = ident.name, blocks, sequences, leases
+            out.quota_blocks, out.quota_sequences = q["blocks"], q["sequences"]
+        return out
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         Access.pool(request.pool_id, "Heartbeat")

@@ -180,6 +180,15 @@ class Store:
 
     # ------------------------------------------------------------ lease scripts
 
+    async def tenant_leases(self, tenant: str, op: str, lease_id: str, *, deadline_ms: int = 0, ttl_ms: int = 0,
+                            limit: int = 0) -> int:
+        """Admits ('admit'), touches or drops a lease in its tenant's set of live leases;
+        returns how many the tenant holds (``tenant_leases.lua``)."""
+        reply = await self._call("tenant_leases", [keys.tenant_leases_key(tenant)],
+                                 {"op": op, "lease_id": lease_id, "deadline_ms": deadline_ms, "ttl_ms": ttl_ms,
+                                  "limit": limit})
+        return int(reply["leases"])
+
     async def grant_lease(self, payload: dict[str, Any]) -> dict[str, Any]:
         return await self._call("lease_grant", keys.lease_keys(payload["lease_id"]), payload)
 
@@ -289,6 +298,14 @@ class Store:
             self._queue_counts(pipe, pool_id)
             return self._counts(await pipe.execute())
 
+    async def tenant_holdings(self, pool_id: str, tenant: str) -> tuple[int, int, int]:
+        """What a tenant holds in a pool (``scripts/lib/held.lua``): blocks, sequences, leases."""
+        raw = await self.redis.hget(keys.pool_key(pool_id, "held"), f"T:{tenant}")
+        if not raw:
+            return 0, 0, 0
+        blocks, sequences, leases = (int(x) for x in raw.split())
+        return blocks, sequences, leases
+
     async def count_failure(self, pool_id: str) -> None:
         await self.redis.hincrby(keys.pool_key(pool_id, "stats"), "allocation_failures", 1)
 
@@ -319,9 +336,10 @@ class Store:
             pipe.hgetall(k["tabs"])
             pipe.hgetall(k["reserve"])
             pipe.hgetall(k["journal"])
+            pipe.hgetall(k["held"])
             self._queue_counts(pipe, pool_id)
             res = await pipe.execute()
-        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal = res[:14]
+        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal, held = res[:15]
         if not meta or b"num_blocks" not in meta:
             return None
 
@@ -343,7 +361,10 @@ class Store:
             "reserve": [(s(lease), int(b)) for b, lease in reserve.items()],
             # lease -> (last journal entry applied, reserve size as counted)
             "journal": {s(a): tuple(int(x) for x in b.split()) for a, b in journal.items()},
-            "counts": self._counts(res[14:]),
+            # "L:<lease>" -> (tenant, blocks, sequences); "T:<tenant>" -> (blocks, sequences, leases)
+            "held": {s(a): tuple(x if i == 0 and s(a).startswith("L:") else int(x)
+                                 for i, x in enumerate(s(b).split())) for a, b in held.items()},
+            "counts": self._counts(res[15:]),
         }
 
 

@@ -43,8 +43,11 @@ def status_of(exc: errors.KvsError, encode_partial: PartialEncoder | None = None
     if isinstance(exc, errors.ResourceExhausted):
         info.metadata.update({"pool_id": exc.pool_id, "needed": str(exc.needed),
                               "available": str(exc.available)})
+        if exc.quota:
+            info.metadata.update({"quota": exc.quota, "limit": str(exc.limit)})
+        subject = f"quota/{exc.quota}" if exc.quota else f"pool/{exc.pool_id}"
         quota = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
-            subject=f"pool/{exc.pool_id}", description=exc.message)])
+            subject=subject, description=exc.message)])
         details.append(quota)
     details.insert(0, info)
     if exc.partial is not None and encode_partial is not None:

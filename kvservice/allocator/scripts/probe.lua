@@ -1,7 +1,7 @@
 --- probe: read-only; how much of a prompt a pool has cached, and how many blocks it could
 --- give (free + evictable), for placing a create.
 ---
---- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch, block_hashes = [hash hex of each block a hit may cover]}
 --- Returns msgpack {epoch, hits (leading blocks cached), available}; or an error
 ---   (lib/codec): NOT_FOUND.

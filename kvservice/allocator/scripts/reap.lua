@@ -1,7 +1,7 @@
 --- reap: frees the sequences and the reserves of expired leases (or of one revoked lease,
 --- force_lease), a bounded number per call; idempotent, so every replica may run it.
 ---
---- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
 ---   max_seqs, max_blocks (the freed sequences' blocks in all: past it, the rest waits for
 ---   the next call; one sequence at least), tombstone_ms}
@@ -11,6 +11,7 @@
 --- @include "lib/time"
 --- @include "lib/refs"
 --- @include "lib/reserve"
+--- @include "lib/held"
 
 local p = args()
 local ok, res = guarded(function()
@@ -53,7 +54,9 @@ for _, lease in ipairs(expired) do
       end
     end
     load_refs(blocks)
-    for _, rec in ipairs(recs) do release(rec) end
+    local nrefs = 0
+    for _, rec in ipairs(recs) do release(rec); nrefs = nrefs + rec_len(rec) end
+    held_write(held_load(lease), -nrefs, -#recs)
     nseqs = nseqs + #recs
     if done < take then budget = 0 else budget = budget - take end
     take = done
@@ -66,6 +69,7 @@ for _, lease in ipairs(expired) do
     nleases = nleases + 1
     reserved = reserved + reclaim_reserve(lease)
     redis.call('HDEL', K_JOURNAL, lease)
+    held_drop(lease)
   end
 end
 if #expired == p.max_leases then more = true end

@@ -2,8 +2,8 @@
 --- the old epoch free again (its sequences, cache entries and leases are dropped). The
 --- pool joins the registry in the same script, so a refused registration leaves no trace.
 ---
---- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py); KEYS[16]: the request key;
---- KEYS[17]: the pool registry (a set of pool ids).
+--- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key;
+--- KEYS[18]: the pool registry (a set of pool ids).
 --- ARGV[1]: msgpack map {pool, request_id, fingerprint, request_ttl_ms, num_blocks,
 ---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address}
 --- Returns msgpack {pool, epoch, registered_ms}; or an error (lib/codec):

@@ -19,9 +19,9 @@
 --- stays unhashed, as a duplicate); the lease's reserve is what the pool has in it, minus
 --- the blocks the kept tables hold.
 ---
---- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py); KEYS[16]: the request key.
+--- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
----   lease_id, lease_deadline_ms (0: attached to the pool already), touch_deadline_ms (the
+---   lease_id, tenant (the lease's, for lib/held), lease_deadline_ms (0: attached to the pool already), touch_deadline_ms (the
 ---   lease's deadline after the Sync's keep-alive, raised here as lease_touch does; 0: none), first_entry, cap,
 ---   claims = [{n, t (num_tokens), tab = [block ids], c (committed blocks), h (the last
 ---   hash, hex), hs = [the hash hex of each committed block], k (cached tokens)}]}
@@ -32,6 +32,7 @@
 --- @include "lib/request"
 --- @include "lib/refs"
 --- @include "lib/reserve"
+--- @include "lib/held"
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
@@ -197,6 +198,14 @@ local reserve = {}
 for b in pairs(plan.reserved) do reserve[#reserve + 1] = b end
 table.sort(reserve)
 set_lease_progress(lease, p.first_entry - 1, #reserve)
+-- Its holdings, counted again: the kept tables and the reserve; the sequence numbers it
+-- was granted and has not used stay counted.
+local h = held_load(lease, p.tenant)
+local nblocks, nold = #reserve, 0
+for _, c in ipairs(plan.kept) do nblocks = nblocks + #c.tab end
+for _ in pairs(plan.old) do nold = nold + 1 end
+local nseqs = #plan.kept + math.max(0, h.ls - nold)
+held_write(h, nblocks - h.lb, nseqs - h.ls)
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
 incr_stats({journal_resyncs = 1, sequences_lost = #plan.lost, sequences_created = created,
             sequences_freed = freed})

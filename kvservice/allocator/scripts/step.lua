@@ -1,10 +1,12 @@
 --- step: one engine step in one pool: commits, frees, forks, growth (with copy-on-write)
 --- and creates, all-or-nothing: the whole call is planned and checked, then written.
 ---
---- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py); KEYS[16]: the request key.
+--- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
 --- ARGV[1]: msgpack map
 ---   pool, request_id ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
----   lease_deadline_ms (0: the lease is attached to this pool already), max_blocks,
+---   lease_deadline_ms (0: the lease is attached to this pool already), tenant (the
+---   lease's; '' when not looked up: the pool's record of the lease names it, lib/held),
+---   quota = {blocks, sequences} (the tenant's quotas in the pool; 0: none), max_blocks,
 ---   max_fork_refs (the block references the step's forks may add at most),
 ---   updates = [{sequence (n of <pool>/<epoch>/<n>-<tag>), tag (as the caller gave it, for
 ---     messages: '' or the tag that the allocator checked), epoch, num_tokens (-1: the
@@ -18,10 +20,12 @@
 ---   {sequence, num_tokens, num_committed_blocks, num_cached_tokens, last_hash,
 ---   block_table, cow = [src, dst] (a child's)}; or an error (lib/codec): NOT_FOUND,
 ---   INVALID_ARGUMENT, FAILED_PRECONDITION, PERMISSION_DENIED, RESOURCE_EXHAUSTED
----   {needed, available}, and the internal STALE_EPOCH {epoch} and LEASE_UNKNOWN.
+---   {needed, available} (and {reason QUOTA_EXCEEDED, quota, limit} past a quota), and the
+---   internal STALE_EPOCH {epoch} and LEASE_UNKNOWN.
 --- @include "lib/time"
 --- @include "lib/request"
 --- @include "lib/refs"
+--- @include "lib/held"
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
@@ -314,6 +318,18 @@ local function create_sequences(bs, known, stats)
   return made
 end
 
+-- What the step adds to the lease's holdings (lib/held): blocks and sequences.
+local function holdings_delta(recs, kids, made, freed)
+  local db, ds = 0, 0
+  for i in ipairs(ups) do
+    local rec = recs[i]
+    if freed[i] then db = db - rec_len(rec); ds = ds - 1 else db = db + #rec.add end
+    for _, child in ipairs(kids[i] or {}) do db = db + rec_len(child); ds = ds + 1 end
+  end
+  for _, rec in ipairs(made) do db = db + rec_len(rec); ds = ds + 1 end
+  return db, ds
+end
+
 local stats = {prefix_queried_tokens = 0, prefix_hit_tokens = 0}
 local ok, plan = guarded(function()
   local epoch, num_blocks, bs, attach = check_pool_and_lease()
@@ -325,13 +341,16 @@ local ok, plan = guarded(function()
   local kids = fork_sequences(recs, bs)
   local cows = grow_sequences(recs, bs)
   local made = create_sequences(bs, known, stats)
+  local held = held_load(lease, p.tenant)
+  local db, ds = holdings_delta(recs, kids, made, freed)
+  held_check(held, db, ds, p.quota, p.pool)
   local available = available_now(num_blocks) + net_released()
   if nplace > available then
     bad('RESOURCE_EXHAUSTED', 'pool ' .. p.pool .. ': needed ' .. nplace .. ' blocks, ' .. available .. ' available',
       {needed = nplace, available = available})
   end
   return {epoch = epoch, num_blocks = num_blocks, recs = recs, kids = kids, cows = cows, made = made,
-          freed = freed, attach = attach}
+          freed = freed, attach = attach, held = held, db = db, ds = ds}
 end)
 if not ok then return plan end
 
@@ -406,6 +425,7 @@ end
 local out_made = {}
 for _, rec in ipairs(plan.made) do out_made[#out_made + 1] = store_new(rec) end
 write_records(put_meta, put_tab, del, lseq_add, lseq_del)
+held_write(plan.held, plan.db, plan.ds)
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
 local out_copies = {}
 for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end

@@ -21,9 +21,10 @@
 --- Every entry first sets the sequence's length to num_tokens (never below the recorded
 --- one, never beyond its table; not into a shared partial block: copy first).
 ---
---- KEYS[1..15]: the pool's keys (kvservice/allocator/keys.py); KEYS[16]: the request key.
+--- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
----   lease_id, lease_deadline_ms (0: attached to the pool already), touch_deadline_ms (the
+---   lease_id, tenant (the lease's), quota = {blocks, sequences} (the tenant's quotas in the
+---   pool, lib/held; 0: none), lease_deadline_ms (0: attached to the pool already), touch_deadline_ms (the
 ---   lease's deadline after the Sync's keep-alive, raised here as lease_touch does; 0: none), first_entry (the
 ---   number of the journal's first entry), journal = {n, and columns of n: kinds,
 ---   sequences, num_tokens, children, num_blocks, num_commits; blocks (num_blocks[i] per
@@ -36,13 +37,16 @@
 ---   (the most blocks a refill towards the reserve's size grants in one call)}
 --- Returns msgpack {epoch, applied (the last entry applied), granted = [blocks added to
 ---   the reserve], num_reserved (the lease's reserve after the call), cap (the cap now:
----   the lease returns any surplus), first_sequence_number, num_sequence_numbers};
+---   the lease returns any surplus), first_sequence_number, num_sequence_numbers, quota (''
+---   or the quota, 'blocks' or 'sequences', that kept the grant below what the step needs
+---   now), quota_limit};
 ---   or an error (lib/codec): NOT_FOUND, INVALID_ARGUMENT (an entry or a returned block
 ---   that does not fit the state: nothing applied), FAILED_PRECONDITION (reasons
 ---   EPOCH_CHANGED, LEASE_EXPIRED), and the internal LEASE_UNKNOWN.
 --- @include "lib/request"
 --- @include "lib/refs"
 --- @include "lib/reserve"
+--- @include "lib/held"
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
@@ -404,12 +408,30 @@ end
 -- does not evict the prefix cache for blocks no step needs yet); what a step needs at
 -- once (p.need) may evict. A refill takes at most p.max_refill blocks per call (the next
 -- Sync takes more): its cost is per block, and a large pool's cap is large.
+-- The lease's holdings (lib/held) after the journal and the returns: its tables' change
+-- (a fork's child was counted when its number was granted) and its reserve's.
+local held = held_load(lease, p.tenant)
+local held_blocks, held_seqs = plan.kept - plan.reserved, 0
+if plan.done > 0 then
+  for f, rec in pairs(recs) do
+    if rec then
+      held_blocks = held_blocks + (gone[f] and 0 or rec_len(rec)) - (born[f] and 0 or rec.nb)
+      if gone[f] then held_seqs = held_seqs - 1 end
+    end
+  end
+end
+local quota_cut, quota_limit = '', 0
 local available = available_now(plan.num_blocks)
 local cap = p.cap
 if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
 local unused = redis.call('LLEN', K_FREE) + plan.num_blocks - (tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0)
 local need = math.max(math.min(unused, p.max_refill, math.max(0, math.min(p.want, cap) - plan.kept)),
                       math.min(available, math.max(0, p.need - plan.kept)))
+local room = held_room(held, 'blocks', p.quota, held_blocks)
+if need > room then
+  need = room
+  if p.need - plan.kept > room then quota_cut, quota_limit = 'blocks', p.quota.blocks end
+end
 local granted = {}
 if need > 0 then
   local moved = {}
@@ -429,11 +451,16 @@ if plan.done > 0 or plan.kept + #granted ~= plan.reserved then
 end
 local first_seq, num_seqs = 0, 0
 if p.want_sequence_numbers > 0 then
-  num_seqs = p.want_sequence_numbers
-  first_seq = redis.call('HINCRBY', K_META, 'next_seq', num_seqs) - num_seqs + 1
+  num_seqs = math.min(p.want_sequence_numbers, held_room(held, 'sequences', p.quota, held_seqs))
+  if num_seqs < p.want_sequence_numbers and quota_cut == '' then
+    quota_cut, quota_limit = 'sequences', p.quota.sequences
+  end
+  if num_seqs > 0 then first_seq = redis.call('HINCRBY', K_META, 'next_seq', num_seqs) - num_seqs + 1 end
 end
+held_write(held, held_blocks + #granted, held_seqs + num_seqs)
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = plan.applied, granted = granted,
                                     num_reserved = plan.kept + #granted, cap = cap,
-                                    first_sequence_number = first_seq, num_sequence_numbers = num_seqs}))
+                                    first_sequence_number = first_seq, num_sequence_numbers = num_seqs,
+                                    quota = quota_cut, quota_limit = quota_limit}))

@@ -1,10 +1,11 @@
 --- @include "lib/codec"
---- The 15 keys of one pool, in the order kvservice/allocator/keys.py passes them
---- (KEYS[1..15]), the pool's registration record and its counters.
+--- The 16 keys of one pool, in the order kvservice/allocator/keys.py passes them
+--- (KEYS[1..16]), the pool's registration record and its counters.
 local K_META, K_STATE, K_FREE, K_EVICT, K_REF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_H2B, K_B2H, K_SEQS, K_LEASES, K_LSEQ = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_DEAD, K_STATS, K_TABS, K_RESERVE, K_JOURNAL = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
-local NUM_POOL_KEYS = 15
+local K_HELD = KEYS[16]
+local NUM_POOL_KEYS = 16
 
 -- Returns epoch, num_blocks, block_size of a registered pool; raises NOT_FOUND otherwise.
 local function pool_meta(pool_id)
