@@ -47,6 +47,10 @@ from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 __all__ = ["Client", "CopyPair", "Sequence", "StepResult", "to_domain_error"]
 
 
+#: Blocks one Step's frees may release: the allocator's max_release_per_call, by default
+#: (a step that frees more frees the rest in calls of its own first).
+MAX_RELEASE = 512
+
 class Client(LocalSteps):
     """A connection to the allocator with one lease, kept alive in the background.
 
@@ -169,7 +173,22 @@ class Client(LocalSteps):
             _check_step(self, appends, forks, frees)
         if self.local:
             return self._step_local(appends, forks, frees, creates)
+        if len(frees) > 1 and sum(len(s._table) for s in frees) > MAX_RELEASE:
+            frees = self._free_ahead(frees)
         return self._step_remote(appends, forks, frees, creates)
+
+    def _free_ahead(self, frees: list[Sequence]) -> list[Sequence]:
+        """Frees what one Step may not release (the allocator's max_release_per_call) in
+        calls of their own first; returns the frees left for the step."""
+        group: list[Sequence] = []
+        blocks = 0
+        for s in frees:
+            if group and blocks + len(s._table) > MAX_RELEASE:
+                self._step_remote({}, {}, group, [])
+                group, blocks = [], 0
+            group.append(s)
+            blocks += len(s._table)
+        return group
 
     def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list,
                      sync: tuple[pb.SyncRequest, list[PoolJournal], float] | None = None) -> StepResult:

@@ -37,15 +37,17 @@ class PoolJournal:
 
     #: Sequence numbers asked for at a time.
     NUMBERS = 64
-    #: Entries sent in one Sync at most (the allocator's max_items_per_call is 1024 by
-    #: default); the rest go with the next one.
+    #: Entries sent in one Sync at most (the allocator's max_journal_entries, by default);
+    #: the rest go with the next one.
     MAX_ENTRIES = 1024
-    #: Blocks sent in one Sync at most (the allocator's max_blocks_per_call, by default).
+    #: Blocks sent in one Sync at most (the allocator's max_journal_blocks, by default).
     MAX_BLOCKS = 65536
+    #: Blocks given back in one Sync at most (the allocator's max_returned_blocks).
+    MAX_RETURNS = 4096
     #: Fork entries in one Sync at most, and the block references they add (each child:
     #: its parent's blocks): the allocator's max_forks_per_call and max_fork_refs_per_call.
-    MAX_FORKS = 256
-    MAX_FORK_REFS = 8192
+    MAX_FORKS = 128
+    MAX_FORK_REFS = 4096
     LAGS = 100_000
     #: After a refill that got nothing (the pool is full), or a reserve given back for a
     #: create, no refill for this long (a step that needs blocks still asks at once).
@@ -217,9 +219,10 @@ class PoolJournal:
             self.returning.extend(self.reserve[:surplus])
             del self.reserve[:surplus]
         want = self.target() if time.monotonic() >= self.starved_until else 0
-        self.sent_returns = set(self.returning)
+        sent = self.returning[:self.MAX_RETURNS]
+        self.sent_returns = set(sent)
         return {"pool_id": self.pool_id, "epoch": self.epoch, "want_blocks": want,
-                "returned_blocks": list(self.returning), "first_entry": self.first_pending,
+                "returned_blocks": sent, "first_entry": self.first_pending,
                 "journal": self.entries(self._batch()),
                 "want_sequence_numbers": self.NUMBERS if len(self.numbers) < self.NUMBERS // 2 else 0}
 

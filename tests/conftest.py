@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import types
+
 import redis
 import pytest
 
 from kvservice.client import Client
 from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
+from kvservice.common.auth import TokenFile, add_token
+from kvservice.common.security import ClientCredentials, ServerTls
+from kvservice.tools.certs import make_certs
 
 from helpers import ServerThread
 
@@ -49,10 +54,28 @@ def any_redis_url(request, redis_servers) -> str:
     return _fresh(redis_servers(request.param))
 
 
+@pytest.fixture(scope="session")
+def suite_credentials(tmp_path_factory):
+    """A development CA, a server certificate and a tokens file with an admin's token: the
+    ``server`` fixture's allocators take TLS only and authenticate every call."""
+    d = tmp_path_factory.mktemp("credentials")
+    make_certs(str(d))
+    tokens = str(d / "tokens")
+    token = add_token(tokens, "suite", "admin")
+    return types.SimpleNamespace(tokens=tokens, token=token, ca=str(d / "ca.pem"),
+                                 tls=ServerTls(str(d / "server.pem"), str(d / "server-key.pem")))
+
+
 @pytest.fixture
-def server(any_redis_url):
-    """An allocator server (every Redis flavour in turn)."""
-    with ServerThread(any_redis_url) as s:
+def server(any_redis_url, suite_credentials, monkeypatch):
+    """An allocator server (every Redis flavour in turn), with TLS and authentication on:
+    the test's clients find the CA and an admin's token (an admin may name any tenant) in
+    ``KVSERVICE_TLS_CA`` and ``KVSERVICE_TOKEN``; ``channel()`` opens a raw channel."""
+    creds = suite_credentials
+    monkeypatch.setenv("KVSERVICE_TLS_CA", creds.ca)
+    monkeypatch.setenv("KVSERVICE_TOKEN", creds.token)
+    with ServerThread(any_redis_url, tokens=TokenFile(creds.tokens), tls=creds.tls) as s:
+        s.channel = lambda: ClientCredentials.from_env().channel(s.target)
         yield s
 
 

@@ -132,6 +132,7 @@ def snapshot(redis_url: str, pool_id: str) -> dict[str, Any]:
         assert snap is not None, f"pool {pool_id} is not registered"
         snap.pop("stats")
         snap.pop("counts")
+        snap.pop("version")     # (raised by every script that changes the pool, or might)
         return snap
     return run_async(go, redis_url)
 

@@ -458,10 +458,13 @@ row("Step", "grow-to-2**31", lambda b: pb.StepRequest(lease_id=b.A, updates=[upd
     "grow_to 2147483648 is out of range")
 row("Step", "grow-to-below-num-tokens", lambda b: pb.StepRequest(lease_id=b.A, updates=[upd(b.priv, grow_to=5)]),
     IA, "grow_to 5 is below num_tokens 9")
+row("Step", "grow-beyond-sequence-blocks", lambda b: pb.StepRequest(lease_id=b.A, updates=[
+    upd(b.priv, grow_to=2**31 - 1)]), IA, f"a sequence holds at most {S.max_sequence_blocks}")
+row("Step", "fork-grow-beyond-sequence-blocks", lambda b: pb.StepRequest(lease_id=b.A, updates=[
+    upd(b.priv, fork_grow_to=[2**31 - 1] * 3)]), IA, f"a sequence holds at most {S.max_sequence_blocks}")
 row("Step", "grow-beyond-blocks-per-call", lambda b: pb.StepRequest(lease_id=b.A, updates=[
-    upd(b.priv, grow_to=2**31 - 1)]), IA, f"at most {S.max_blocks_per_call} per call")
-row("Step", "fork-grow-beyond-blocks-per-call", lambda b: pb.StepRequest(lease_id=b.A, updates=[
-    upd(b.priv, fork_grow_to=[2**31 - 1] * 3)]), IA, f"at most {S.max_blocks_per_call} per call")
+    upd(b.priv, grow_to=S.max_sequence_blocks * BS), upd(b.hit, grow_to=S.max_sequence_blocks * BS)]), IA,
+    f"at most {S.max_blocks_per_call} per call")
 row("Step", "fork-grow-to-negative", lambda b: pb.StepRequest(lease_id=b.A, updates=[
     upd(b.priv, fork_grow_to=[10, -1])]), IA, "fork_grow_to -1 is out of range")
 row("Step", "fork-grow-to-below-num-tokens", lambda b: pb.StepRequest(lease_id=b.A, updates=[

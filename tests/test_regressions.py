@@ -18,7 +18,7 @@ from kvservice.client import Client
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
-from helpers import ServerThread, audit, snapshot
+from helpers import audit, snapshot
 
 IA = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -30,7 +30,7 @@ def _geometry(num_blocks: int, block_size: int) -> pb.PoolGeometry:
 
 @pytest.fixture
 def stub(server):
-    channel = grpc.insecure_channel(server.target)
+    channel = server.channel()
     yield pb_grpc.AllocatorStub(channel)
     channel.close()
 
@@ -188,7 +188,7 @@ def test_every_status_becomes_a_kvservice_error_even_without_readable_details(se
 
 
 def test_an_undecodable_request_answers_invalid_argument_with_one_log_line(server, caplog):
-    channel = grpc.insecure_channel(server.target)
+    channel = server.channel()
     step = channel.unary_unary("/kvservice.v1.Allocator/Step", request_serializer=None,
                                response_deserializer=pb.StepResponse.FromString)
     with caplog.at_level(logging.DEBUG):

@@ -43,7 +43,7 @@ def test_serve_without_redis_url_starts_and_stops_a_private_redis_that_takes_onl
 
 
 def test_health_and_reflection_are_served(server):
-    with grpc.insecure_channel(server.target) as ch:
+    with server.channel() as ch:
         health = health_pb2_grpc.HealthStub(ch)
         for name in ("", "kvservice.v1.Allocator"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)

@@ -44,25 +44,40 @@ class Settings(EnvSettings):
     #: A file whose first line is a secret mixed into every salt (HMAC-SHA256): hashes
     #: then reveal nothing of a prompt to whoever lacks it. Every replica needs the same.
     prefix_cache_secret_file: str = ""
-    #: Items (updates + creates) in one call.
-    max_items_per_call: int = 1024
-    #: New blocks one call may allocate.
-    max_blocks_per_call: int = 65536
-    #: Longest prompt a create accepts (tokens).
-    max_prompt_tokens: int = 1 << 20
+    #: The per-call limits below keep every script call under ~10 ms of Redis (each stalls
+    #: every other caller while it runs: docs/security.md, "Limits"; ``kvservice limits``
+    #: measures the worst call they allow).
+    #: Items (updates + creates) in one Step.
+    max_items_per_call: int = 128
+    #: New blocks one call may allocate, and the blocks of one Step's creates in all
+    #: (cached or new).
+    max_blocks_per_call: int = 512
+    #: The longest block table a sequence may have (a create, growth or a fork past it is
+    #: refused): with 16-token blocks, 8,192 tokens.
+    max_sequence_blocks: int = 512
+    #: Blocks one Step's frees may release (the SDK spreads larger frees over calls).
+    max_release_per_call: int = 512
+    #: Longest prompt a create accepts (tokens; its blocks are bounded by the two above).
+    max_prompt_tokens: int = 1 << 16
+    #: A Sync's journal, per pool: entries and blocks at most (the allocator applies it
+    #: in script calls of at most ~128 entries, each under the same ~10 ms), and blocks
+    #: given back at most.
+    max_journal_entries: int = 1024
+    max_journal_blocks: int = 65536
+    max_returned_blocks: int = 4096
     #: Children one sequence may fork in one step.
     max_forks_per_sequence: int = 256
     #: Children one call (a Step, or a Sync's journal) may fork in all...
-    max_forks_per_call: int = 256
+    max_forks_per_call: int = 128
     #: ... and block references they may add (each child: its parent's blocks).
-    max_fork_refs_per_call: int = 8192
+    max_fork_refs_per_call: int = 4096
     #: A lease's reserve in one pool: at most this share of the pool's blocks...
     reserve_share: float = 0.01
     #: ... and never less than this many blocks.
     reserve_min_blocks: int = 4
     #: Blocks one Sync's background refill grants at most (the next Sync grants more; what
     #: a step needs at once is bounded by max_blocks_per_call instead).
-    max_refill_per_call: int = 2048
+    max_refill_per_call: int = 1024
     #: While a pool's free + evictable blocks are below this share of it, the cap drops
     #: to ``reserve_min_blocks`` (clients return their surplus).
     reserve_pressure_share: float = 0.05
@@ -111,7 +126,8 @@ class Settings(EnvSettings):
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
         check_in_range("max_message_mb", self.max_message_mb, 1, 1024)
         for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence",
-                     "max_forks_per_call", "max_fork_refs_per_call", "max_refill_per_call"):
+                     "max_forks_per_call", "max_fork_refs_per_call", "max_refill_per_call", "max_sequence_blocks",
+                     "max_release_per_call", "max_journal_entries", "max_journal_blocks", "max_returned_blocks"):
             check_in_range(name, getattr(self, name), 1, 2**31 - 1)
         if not (0 <= self.reserve_share <= 1 and 0 <= self.reserve_pressure_share <= 1):
             raise ValueError("reserve_share and reserve_pressure_share must be in 0..1")

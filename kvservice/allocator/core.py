@@ -382,6 +382,10 @@ class Allocator(ReserveOps):
             for f in forks:
                 if not 0 <= f <= MAX_INT:
                     raise errors.InvalidArgument(f"sequence {sid}: fork_grow_to {f} is out of range")
+        longest = max(g, max(forks, default=0))
+        if longest > self.settings.max_sequence_blocks * geo.block_size:
+            raise errors.InvalidArgument(f"sequence {sid}: {longest} tokens need {-(-longest // geo.block_size)} "
+                                         f"blocks, a sequence holds at most {self.settings.max_sequence_blocks}")
         payload = {"sequence": n, "tag": tag, "epoch": epoch, "num_tokens": t, "grow_to": g, "free": free,
                    "num_committed_blocks": 0, "parent_hash": "", "fork_grow_to": forks, "commits": []}
         commits = u.commits
@@ -398,11 +402,24 @@ class Allocator(ReserveOps):
         the lease is known to be attached to the pool already (the script then reads its
         deadline there)."""
         epoch, geo = await self.geometry(pool_id)
+        s = self.settings
+        bs = geo.block_size
+        blocks = sum(-(-(len(data) // 4) // bs) for _, _, data in items["creates"])
+        if blocks > s.max_blocks_per_call:
+            raise errors.InvalidArgument(f"pool {pool_id}: the step's creates hold {blocks} blocks in all, at most "
+                                         f"{s.max_blocks_per_call} per call (create them over several calls)")
+        commits = sum(len(p["commits"]) for _, _, p in items["updates"])
+        if commits > s.max_blocks_per_call:
+            raise errors.InvalidArgument(f"pool {pool_id}: the step commits {commits} blocks, at most "
+                                         f"{s.max_blocks_per_call} per call")
         creates = []
         items["hashes"] = []     # (each create's block hashes, for its reply)
         for _, c, data in items["creates"]:
             root = hashing.root_hash(self._salt(tenant), c.extra_key)
             n = len(data) // 4
+            if -(-n // bs) > s.max_sequence_blocks:
+                raise errors.InvalidArgument(f"pool {pool_id}: a prompt of {n} tokens needs {-(-n // bs)} blocks, "
+                                             f"a sequence holds at most {s.max_sequence_blocks}")
             hs = hashing.chain_hashes(root, data, geo.block_size, n // geo.block_size)
             creates.append({"epoch": epoch, "num_tokens": n, "root_hash": root.hex(),
                             "block_hashes": [h.hex() for h in hs]})
@@ -410,7 +427,8 @@ class Allocator(ReserveOps):
         return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
                 "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": lease_deadline,
                 "tenant": tenant, "quota": self.quota(tenant),
-                "max_blocks": self.settings.max_blocks_per_call, "max_fork_refs": self.settings.max_fork_refs_per_call,
+                "max_blocks": s.max_blocks_per_call, "max_fork_refs": s.max_fork_refs_per_call,
+                "max_release": s.max_release_per_call,
                 "updates": [payload for _, _, payload in items["updates"]], "creates": creates}
 
     async def _attach(self, lease_id: str, pools: list[str]) -> tuple[str, int]:

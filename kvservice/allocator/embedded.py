@@ -35,10 +35,11 @@ ALLOCATOR_COMMANDS = (
     "ping", "evalsha", "eval", "script|load", "script|exists", "multi", "exec", "client|setinfo", "select",
     # inside the scripts (scripts/*.lua)
     "del", "exists", "get", "set", "incr", "unlink", "pexpire", "time",
-    "hdel", "hexists", "hget", "hgetall", "hincrby", "hmget", "hset", "hlen",
+    "hdel", "hexists", "hget", "hgetall", "hincrby", "hmget", "hscan", "hset", "hlen",
     "llen", "lpop", "rpush", "lrange",
     "sadd", "smembers",
-    "zadd", "zcard", "zpopmin", "zrange", "zrangebylex", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
+    "zadd", "zcard", "zpopmin", "zrange", "zrangebylex", "zrangebyscore", "zrem", "zremrangebyscore", "zscan",
+    "zscore",
 )
 ALLOCATOR_USER = "kvservice"
 ADMIN_USER = "admin"

@@ -165,3 +165,40 @@ def resync_payload(r: ReserveRequest, geo: Geometry) -> list[dict[str, Any]]:
                        "h": c.last_hash.hex(), "hs": [hs[i:i + hb].hex() for i in range(0, len(hs), hb)],
                        "k": c.num_cached_tokens})
     return claims
+
+
+#: One sync script call applies at most this many entries, and this much work: blocks
+#: moved, commits, and the table blocks a fork shares or a free releases (each script
+#: stalls Redis while it runs: about 40 µs per entry and a few per block, ~10 ms at most).
+SCRIPT_ENTRIES = 128
+SCRIPT_WORK = 1024
+
+
+def journal_chunks(journal: dict[str, Any], block_size: int) -> list[tuple[int, dict[str, Any]]]:
+    """A ``journal_payload`` cut into the script calls that apply it: (the offset of the
+    call's first entry in the journal, its part of the columns); at least one part."""
+    n = journal["n"]
+    if n == 0:
+        return [(0, journal)]
+    kinds, toks, nb, nc = journal["kinds"], journal["num_tokens"], journal["num_blocks"], journal["num_commits"]
+    cuts, work, start = [], 0, 0
+    for i in range(n):
+        w = 1 + nb[i] + nc[i] + (-(-toks[i] // block_size) if kinds[i] in (FORK, FREE) else 0)
+        if i > start and (i - start >= SCRIPT_ENTRIES or work + w > SCRIPT_WORK):
+            cuts.append((start, i))
+            start, work = i, 0
+        work += w
+    cuts.append((start, n))
+    if len(cuts) == 1:
+        return [(0, journal)]
+    out = []
+    bo = co = po = 0
+    for a, b in cuts:
+        kb, kc = sum(nb[a:b]), sum(nc[a:b])
+        kp = sum(1 for c in nc[a:b] if c)
+        out.append((a, {"n": b - a, "kinds": kinds[a:b], "sequences": journal["sequences"][a:b], "num_tokens": toks[a:b],
+                        "children": journal["children"][a:b], "num_blocks": nb[a:b],
+                        "blocks": journal["blocks"][bo:bo + kb], "num_commits": nc[a:b],
+                        "commits": journal["commits"][co:co + kc], "parents": journal["parents"][po:po + kp]}))
+        bo, co, po = bo + kb, co + kc, po + kp
+    return out

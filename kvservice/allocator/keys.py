@@ -9,7 +9,9 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``meta``   hash: geometry, ``epoch``, ``worker_address``, ``registered_ms``, ``next_seq``,
   ``heartbeat_ms`` (the last worker heartbeat, Redis clock)
 - ``state``  hash: ``fresh`` (blocks at or above it were never used, hence free), ``clock``
-  (LRU counter of the evictable set)
+  (LRU counter of the evictable set), ``version`` (raised by every script that changes the
+  pool: the audit reads the pool in pieces and checks it read one state),
+  ``reclaim:<lease>`` (where the reaper's scan of an ended lease's reserve stopped)
 - ``free``   list of free block ids (below ``fresh``)
 - ``evict``  zset: evictable block id -> LRU clock (ref 0, still cached by hash)
 - ``ref``    hash: block id -> ref count, for referenced blocks only

@@ -12,7 +12,7 @@ from kvservice import errors
 from kvservice.allocator.checks import MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint, lease_info
 from kvservice.allocator.codec import ScriptError
 from kvservice.allocator.domain import LeaseInfo, ReserveGrant, ReserveRequest
-from kvservice.allocator.journal import journal_payload, resync_payload
+from kvservice.allocator.journal import journal_chunks, journal_payload, resync_payload
 
 
 class ReserveOps:
@@ -36,15 +36,15 @@ class ReserveOps:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: epoch must be in 1..{MAX_INT}, got {r.epoch}")
             if not 0 <= r.want_blocks <= MAX_INT:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: want_blocks {r.want_blocks} is out of range")
-            if not 0 <= r.need_blocks <= self.settings.max_blocks_per_call:
+            if not 0 <= r.need_blocks <= self.settings.max_journal_blocks:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: need_blocks {r.need_blocks} is out of range "
-                                             f"(0..{self.settings.max_blocks_per_call})")
-            if r.entries is not None and len(r.entries) > self.settings.max_items_per_call:
+                                             f"(0..{self.settings.max_journal_blocks})")
+            if r.entries is not None and len(r.entries) > self.settings.max_journal_entries:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.entries)} journal entries, at most "
-                                             f"{self.settings.max_items_per_call} per call")
-            if len(r.returned_blocks) > self.settings.max_blocks_per_call:
+                                             f"{self.settings.max_journal_entries} per call")
+            if len(r.returned_blocks) > self.settings.max_returned_blocks:
                 raise errors.InvalidArgument(f"pool {r.pool_id}: {len(r.returned_blocks)} returned blocks, at most "
-                                             f"{self.settings.max_blocks_per_call} per call")
+                                             f"{self.settings.max_returned_blocks} per call")
             if len(set(r.returned_blocks)) != len(r.returned_blocks):
                 raise errors.InvalidArgument(f"pool {r.pool_id}: a returned block appears twice")
             current, geo = await self.geometry(r.pool_id)
@@ -64,7 +64,7 @@ class ReserveOps:
                 entries[r.pool_id] = resync_payload(r, geo)
             else:
                 entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
-                                                     self.settings.max_blocks_per_call, self.settings.max_forks_per_call)
+                                                     self.settings.max_journal_blocks, self.settings.max_forks_per_call)
         # The keep-alive first; each pool's script raises the lease's deadline there itself.
         kept = await self.store.keep_alive(lease_id, self._tombstone_ms(),
                                            touched_by_caller=[r.pool_id for r in pools])
@@ -98,20 +98,41 @@ class ReserveOps:
         # fingerprint covers the rest of the request and which entries it carries.
         request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries["n"],
                    r.want_sequence_numbers, r.need_blocks]
-        payload = {"pool": r.pool_id, "epoch": r.epoch, "request_id": request_id,
-                   "fingerprint": fingerprint("sync", request) if request_id else "",
-                   "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "tenant": tenant,
-                   "quota": self.quota(tenant), "lease_deadline_ms": deadline,
-                   "touch_deadline_ms": touch_ms, "first_entry": r.first_entry, "journal": entries,
-                   "want": r.want_blocks, "cap": cap,
-                   "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
-                   "pressure_cap": s.reserve_min_blocks, "returned": returned,
-                   "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks,
-                   "max_fork_refs": s.max_fork_refs_per_call, "max_refill": s.max_refill_per_call}
-        reply = await self._attached(lease_id, r.pool_id, payload, self.store.sync)
-        return ReserveGrant(r.pool_id, reply["epoch"], reply["granted"], reply["num_reserved"], reply["cap"],
+        base = {"pool": r.pool_id, "epoch": r.epoch, "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id,
+                "tenant": tenant, "quota": self.quota(tenant), "lease_deadline_ms": deadline,
+                "touch_deadline_ms": touch_ms, "cap": cap,
+                "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
+                "pressure_cap": s.reserve_min_blocks, "max_fork_refs": s.max_fork_refs_per_call,
+                "max_refill": s.max_refill_per_call, "max_need": s.max_blocks_per_call}
+        idle = {"request_id": "", "fingerprint": "", "want": 0, "need": 0, "returned": [],
+                "want_sequence_numbers": 0}
+        # The journal in script calls of bounded work (each stalls Redis while it runs):
+        # every call but the last only applies entries (a resend is a no-op by numbering);
+        # the last also refills, takes back and grants numbers, under the request id.
+        chunks = journal_chunks(entries, geo.block_size)
+        for offset, part in chunks[:-1]:
+            await self._attached(lease_id, r.pool_id, {**base, **idle, "first_entry": r.first_entry + offset,
+                                                       "journal": part}, self.store.sync)
+        offset, part = chunks[-1]
+        reply = await self._attached(lease_id, r.pool_id, {
+            **base, "request_id": request_id, "fingerprint": fingerprint("sync", request) if request_id else "",
+            "first_entry": r.first_entry + offset, "journal": part, "want": r.want_blocks, "returned": returned,
+            "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks}, self.store.sync)
+        granted, last = list(reply["granted"]), reply
+        # What a step needs at once, max_blocks_per_call per call (under request ids of their
+        # own, so that a resend gets the same blocks).
+        k = 0
+        while last["num_reserved"] < r.need_blocks and len(last["granted"]) >= s.max_blocks_per_call:
+            k += 1
+            rid = f"{request_id}.need{k}" if request_id else ""
+            last = await self._attached(lease_id, r.pool_id, {
+                **base, **idle, "request_id": rid, "fingerprint": fingerprint("sync-need", request + [k]) if rid else "",
+                "first_entry": 1, "journal": {"n": 0}, "need": r.need_blocks}, self.store.sync)
+            granted += last["granted"]
+        quota = last["quota"] or reply["quota"]
+        return ReserveGrant(r.pool_id, last["epoch"], granted, last["num_reserved"], last["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"],
-                            quota=reply["quota"], quota_limit=reply["quota_limit"])
+                            quota=quota, quota_limit=last["quota_limit"] if last["quota"] else reply["quota_limit"])
 
     async def _attached(self, lease_id: str, pool_id: str, payload: dict[str, Any], call: Any) -> dict[str, Any]:
         """A Sync script call; once more after attaching the lease again when the pool no

@@ -9,6 +9,7 @@ file and line (``lua.LuaScript.explain``). Reads that must be consistent are one
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Callable, Iterable
 
@@ -17,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvservice import errors
 from kvservice.allocator import codec, keys, lua
 from kvservice.allocator.codec import LEASE_UNKNOWN, STALE_EPOCH
 
@@ -163,7 +165,7 @@ class Store:
                                 internal=(LEASE_UNKNOWN,))
 
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,
-                   max_seqs: int = 512, max_blocks: int = 4096, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
+                   max_seqs: int = 128, max_blocks: int = 1024, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
         return await self._call("reap", keys.pool_keys(pool_id),
                                 {"pool": pool_id, "force_lease": force_lease, "max_leases": max_leases,
                                  "max_seqs": max_seqs, "max_blocks": max_blocks, "tombstone_ms": tombstone_ms})
@@ -318,54 +320,133 @@ class Store:
             epoch, meta, tab = await pipe.execute()
         return (int(epoch) if epoch else None), (parse_record(meta, tab) if meta else None)
 
-    async def snapshot(self, pool_id: str) -> dict[str, Any] | None:
-        """Every allocation key of one pool and its counts, read in one transaction (for the audit)."""
+    async def snapshot(self, pool_id: str, *, piece: int = 1024, attempts: int = 20) -> dict[str, Any] | None:
+        """Every allocation key of one pool and its counts (for the audit), read in pieces of
+        about ``piece`` entries (HSCAN, ZSCAN, LRANGE: no command holds Redis long), as one
+        consistent state: the pool's epoch and change counter (``state.version``, which
+        every script that changes the pool raises) are read before and after, and the read
+        starts over when they moved. After ``attempts`` reads, a small pool
+        (``SMALL_POOL_ENTRIES``) is read in one transaction; a larger one raises
+        Unavailable (busy: retry later)."""
         k = {name: keys.pool_key(pool_id, name) for name in keys.POOL_KEY_NAMES}
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(k["meta"])
-            pipe.hgetall(k["state"])
-            pipe.lrange(k["free"], 0, -1)
-            pipe.zrange(k["evict"], 0, -1, withscores=True)
-            pipe.hgetall(k["ref"])
-            pipe.hgetall(k["h2b"])
-            pipe.hgetall(k["b2h"])
-            pipe.hgetall(k["seqs"])
-            pipe.zrange(k["leases"], 0, -1, withscores=True)
-            pipe.zrange(k["lseq"], 0, -1)
-            pipe.hgetall(k["stats"])
-            pipe.hgetall(k["tabs"])
-            pipe.hgetall(k["reserve"])
-            pipe.hgetall(k["journal"])
-            pipe.hgetall(k["held"])
-            self._queue_counts(pipe, pool_id)
-            res = await pipe.execute()
-        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal, held = res[:15]
+        r = self.redis
+
+        async def stamp() -> tuple[Any, Any]:
+            async with r.pipeline(transaction=True) as pipe:
+                pipe.hget(k["meta"], "epoch")
+                pipe.hget(k["state"], "version")
+                return tuple(await pipe.execute())
+
+        async def hash_of(key: str) -> dict[bytes, bytes]:
+            out: dict[bytes, bytes] = {}
+            cursor = 0
+            while True:
+                cursor, part = await r.hscan(key, cursor, count=piece)
+                out.update(part)
+                if not cursor:
+                    return out
+
+        async def zset_of(key: str) -> list[tuple[bytes, float]]:
+            out: dict[bytes, float] = {}
+            cursor = 0
+            while True:
+                cursor, part = await r.zscan(key, cursor, count=piece)
+                out.update(part)
+                if not cursor:
+                    return list(out.items())
+
+        async def list_of(key: str) -> list[bytes]:
+            out: list[bytes] = []
+            while True:
+                part = await r.lrange(key, len(out), len(out) + piece - 1)
+                out += part
+                if len(part) < piece:
+                    return out
+
+        for _ in range(attempts):
+            before = await stamp()
+            if before[0] is None:
+                return None
+            meta, state = await hash_of(k["meta"]), await hash_of(k["state"])
+            free, evict = await list_of(k["free"]), await zset_of(k["evict"])
+            ref, h2b, b2h, seqs = [await hash_of(k[n]) for n in ("ref", "h2b", "b2h", "seqs")]
+            leases, lseq = await zset_of(k["leases"]), [m for m, _ in await zset_of(k["lseq"])]
+            stats, tabs, reserve, journal, held = [await hash_of(k[n]) for n in ("stats", "tabs", "reserve",
+                                                                                "journal", "held")]
+            async with r.pipeline(transaction=True) as pipe:
+                self._queue_counts(pipe, pool_id)
+                counts = await pipe.execute()
+            if await stamp() == before:
+                break
+        else:
+            # Busy throughout: a small pool is read in one transaction instead (a few ms of
+            # Redis); a large one waits for a quieter moment.
+            async with r.pipeline(transaction=True) as pipe:
+                for name in POOL_KEY_SIZES:
+                    getattr(pipe, POOL_KEY_SIZES[name])(k[name])
+                size = sum(await pipe.execute())
+            if size > SMALL_POOL_ENTRIES:
+                raise errors.Unavailable(f"pool {pool_id} changed during each of {attempts} reads of its state "
+                                         f"({size} entries: read in pieces; retry when it is quieter)")
+            async with r.pipeline(transaction=True) as pipe:
+                for name, how in (("meta", "h"), ("state", "h"), ("free", "l"), ("evict", "z"), ("ref", "h"),
+                                  ("h2b", "h"), ("b2h", "h"), ("seqs", "h"), ("leases", "z"), ("lseq", "z"),
+                                  ("stats", "h"), ("tabs", "h"), ("reserve", "h"), ("journal", "h"), ("held", "h")):
+                    if how == "h":
+                        pipe.hgetall(k[name])
+                    elif how == "l":
+                        pipe.lrange(k[name], 0, -1)
+                    else:
+                        pipe.zrange(k[name], 0, -1, withscores=True)
+                self._queue_counts(pipe, pool_id)
+                res = await pipe.execute()
+            meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal, held = res[:15]
+            lseq = [m for m, _ in lseq]
+            counts = res[15:]
         if not meta or b"num_blocks" not in meta:
             return None
+        # (decoded in a thread: a large pool's entries would hold the event loop)
+        return await asyncio.to_thread(_decoded_snapshot, meta, state, free, evict, ref, h2b, b2h, seqs, leases,
+                                       lseq, stats, tabs, reserve, journal, held, self._counts(counts))
 
-        def s(x: bytes) -> str:
-            return x.decode()
 
-        return {
-            "meta": {s(a): s(b) for a, b in meta.items()},
-            "state": {s(a): int(b) for a, b in state.items()},
-            "free": [int(b) for b in free],
-            "evict": [(int(m), sc) for m, sc in evict],
-            "ref": {int(a): int(b) for a, b in ref.items()},
-            "h2b": {s(a): int(b) for a, b in h2b.items()},
-            "b2h": {int(a): s(b) for a, b in b2h.items()},
-            "seqs": {int(a): parse_record(b, tabs.get(a)) for a, b in seqs.items()},
-            "leases": {s(m): sc for m, sc in leases},
-            "lseq": [s(m) for m in lseq],
-            "stats": {s(a): int(b) for a, b in stats.items()},
-            "reserve": [(s(lease), int(b)) for b, lease in reserve.items()],
-            # lease -> (last journal entry applied, reserve size as counted)
-            "journal": {s(a): tuple(int(x) for x in b.split()) for a, b in journal.items()},
-            # "L:<lease>" -> (tenant, blocks, sequences); "T:<tenant>" -> (blocks, sequences, leases)
-            "held": {s(a): tuple(x if i == 0 and s(a).startswith("L:") else int(x)
-                                 for i, x in enumerate(s(b).split())) for a, b in held.items()},
-            "counts": self._counts(res[15:]),
-        }
+#: How a pool key's size is read (the audit's fallback for a small busy pool).
+POOL_KEY_SIZES = {"free": "llen", "evict": "zcard", "ref": "hlen", "h2b": "hlen", "b2h": "hlen", "seqs": "hlen",
+                  "leases": "zcard", "lseq": "zcard", "tabs": "hlen", "reserve": "hlen", "journal": "hlen",
+                  "held": "hlen"}
+#: A pool this small (entries in all) is read in one transaction when it is too busy to be read
+#: in pieces: a few ms of Redis.
+SMALL_POOL_ENTRIES = 20_000
+
+
+def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2b: Any, b2h: Any, seqs: Any,
+                      leases: Any, lseq: Any, stats: Any, tabs: Any, reserve: Any, journal: Any, held: Any,
+                      counts: Any) -> dict[str, Any]:
+    """``Store.snapshot``'s pieces, decoded (zsets in score order, as ZRANGE gives them)."""
+    def s(x: bytes) -> str:
+        return x.decode()
+
+    return {
+        "meta": {s(a): s(b) for a, b in meta.items()},
+        "state": {s(a): int(b) for a, b in state.items() if a in (b"fresh", b"clock")},
+        "version": int(state.get(b"version", 0)),
+        "free": [int(b) for b in free],
+        "evict": [(int(m), sc) for m, sc in sorted(evict, key=lambda x: (x[1], x[0]))],
+        "ref": {int(a): int(b) for a, b in ref.items()},
+        "h2b": {s(a): int(b) for a, b in h2b.items()},
+        "b2h": {int(a): s(b) for a, b in b2h.items()},
+        "seqs": {int(a): parse_record(b, tabs.get(a)) for a, b in seqs.items()},
+        "leases": {s(m): sc for m, sc in sorted(leases, key=lambda x: (x[1], x[0]))},
+        "lseq": sorted(s(m) for m in lseq),
+        "stats": {s(a): int(b) for a, b in stats.items()},
+        "reserve": [(s(lease), int(b)) for b, lease in reserve.items()],
+        # lease -> (last journal entry applied, reserve size as counted)
+        "journal": {s(a): tuple(int(x) for x in b.split()) for a, b in journal.items()},
+        # "L:<lease>" -> (tenant, blocks, sequences); "T:<tenant>" -> (blocks, sequences, leases)
+        "held": {s(a): tuple(x if i == 0 and s(a).startswith("L:") else int(x)
+                             for i, x in enumerate(s(b).split())) for a, b in held.items()},
+        "counts": counts,
+    }
 
 
 def _explained(name: str, exc: ResponseError) -> ResponseError:

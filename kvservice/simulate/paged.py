@@ -57,7 +57,13 @@ if TYPE_CHECKING:
 #: measured steps; a cap that moved with the pool's free blocks would make the reserve's
 #: size after a step depend on when the SDK's background flusher ran, and runs would no
 #: longer be deterministic.
-ALLOCATOR_FLAGS = ("--metrics-port", "-1", "--log-level", "WARNING", "--reserve-pressure-share", "1")
+#: The study's pools of 1-token blocks take creates and frees of thousands of blocks: the
+#: per-call limits (which bound how long one call may stall Redis for the other callers,
+#: docs/security.md) are raised for it, the only client of its allocator.
+ALLOCATOR_FLAGS = ("--metrics-port", "-1", "--log-level", "WARNING", "--reserve-pressure-share", "1",
+                   "--max-items-per-call", "4096", "--max-blocks-per-call", "1048576",
+                   "--max-sequence-blocks", "1048576", "--max-release-per-call", "1048576",
+                   "--max-prompt-tokens", "1048576")
 
 
 @contextmanager

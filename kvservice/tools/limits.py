@@ -16,6 +16,7 @@ It prints one row per worst case, with the target (~10 ms on the CI machine). Us
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -24,29 +25,36 @@ from typing import Any, Awaitable, Callable
 TARGET_MS = 10.0
 
 
+#: Each worst case runs this many times (fresh inputs each time); the target is judged on
+#: the median (the first calls into a fresh Redis also pay its memory's growth: the
+#: largest is printed beside it).
+REPEAT = 5
+
+
 @dataclass(slots=True)
 class Row:
     script: str
     call: str
-    ms: float
+    ms: float          # the median of the script calls the row made
+    max_ms: float = 0.0
 
     @property
     def met(self) -> bool:
         return self.ms <= TARGET_MS
 
 
-async def _script_ms(r: Any, run: Callable[[], Awaitable[Any]], names: dict[str, str]) -> dict[str, float]:
-    """Runs ``run`` and returns, per script, the longest EVALSHA Redis logged meanwhile (ms)."""
+async def _script_ms(r: Any, run: Callable[[], Awaitable[Any]], names: dict[str, str]) -> dict[str, list[float]]:
+    """Runs ``run`` and returns, per script, the durations of its EVALSHA calls that Redis
+    logged meanwhile (ms)."""
     await r.slowlog_reset()
     await run()
-    longest: dict[str, float] = {}
-    for entry in await r.slowlog_get(1024):
+    out: dict[str, list[float]] = {}
+    for entry in await r.slowlog_get(4096):
         cmd = [c.decode() if isinstance(c, bytes) else str(c) for c in entry["command"].split()[:2]] \
             if isinstance(entry["command"], (bytes, str)) else []
         if len(cmd) == 2 and cmd[0].upper() == "EVALSHA" and cmd[1] in names:
-            name = names[cmd[1]]
-            longest[name] = max(longest.get(name, 0.0), entry["duration"] / 1000)
-    return longest
+            out.setdefault(names[cmd[1]], []).append(entry["duration"] / 1000)
+    return out
 
 
 async def measure(settings: Any, progress: Callable[[str], None] = print) -> list[Row]:
@@ -78,73 +86,161 @@ async def measure(settings: Any, progress: Callable[[str], None] = print) -> lis
         num_blocks = 1 << 24   # the largest pool (every row's blocks stay allocated; the audit reads it)
         await a.register_pool("limits", Geometry(num_blocks, bs, 1, 1, 8, "float16"))
         lease = (await a.grant_lease("limits", 3600.0)).lease_id
+        epoch = (await a.geometry("limits"))[0]
+        used = [10**6]     # the first token no row has used
 
-        async def row(script: str, call: str, run: Callable[[], Awaitable[Any]]) -> Any:
+        def tokens_from(n: int) -> tuple[int, ...]:
+            base = used[0]
+            used[0] += n
+            return tuple(range(base, base + n))
+
+        async def row(script: str, call: str, make: Callable[[int], Awaitable[Any]]) -> None:
             progress(f"limits: {script}: {call}")
-            got = await _script_ms(r, run, names)
-            rows.append(Row(script, call, got.get(script, 0.0)))
+            times: list[float] = []
+            for i in range(REPEAT):
+                times += (await _script_ms(r, lambda: make(i), names)).get(script, [])
+            times.sort()
+            median = times[len(times) // 2] if times else 0.0
+            rows.append(Row(script, call, median, times[-1] if times else 0.0))
 
+        async def create(prompts: list[tuple[int, ...]], who: str = lease) -> list[Any]:
+            return (await a.step(who, [], [Create(p, "limits") for p in prompts])).created
 
-        # 1. One create of the longest prompt the limits allow (its blocks: at most max_blocks).
-        tokens = min(s.max_prompt_tokens, max_blocks * bs)
-        prompt = tuple(range(tokens))
+        # 1. One create of the longest prompt the limits allow (its blocks: at most
+        #    max_blocks), and the same prompt again: every block a prefix-cache hit.
+        tokens = min(s.max_prompt_tokens, max_blocks * bs, s.max_sequence_blocks * bs)
+        prompts = [tokens_from(tokens) for _ in range(REPEAT)]
         await row("step", f"one create of {tokens:,} tokens ({tokens // bs:,} new blocks)",
-                  lambda: a.step(lease, [], [Create(prompt, "limits")]))
-        # 2. The same prompt again: every block a prefix-cache hit.
-        created: list[Any] = []
-
-        async def cached() -> None:
-            created.append((await a.step(lease, [], [Create(prompt, "limits")])).created[0])
-
-        await row("step", f"one create of {tokens:,} cached tokens ({tokens // bs - 1:,} hits)", cached)
-        # 3. As many creates as one call takes, sharing the block budget.
+                  lambda i: create([prompts[i]]))
+        await row("step", f"one create of {tokens:,} cached tokens ({tokens // bs - 1:,} hits)",
+                  lambda i: create([prompts[i]]))
+        # 2. As many creates as one call takes, sharing the block budget.
         n = s.max_items_per_call
         per = max(1, min(s.max_prompt_tokens, max_blocks * bs // n))
-        await row("step", f"{n:,} creates of {per:,} tokens", lambda: a.step(
-            lease, [], [Create(tuple(range(i * per, (i + 1) * per)), "limits") for i in range(n)]))
-        # 4. Forks: the most children one call may fork (``max_forks_per_call``, each parent
+        await row("step", f"{n:,} creates of {per:,} tokens", lambda i: create([tokens_from(per) for _ in range(n)]))
+        # 3. Forks: the most children one call may fork (``max_forks_per_call``, each parent
         #    at most ``max_forks_per_sequence``), of parents as long as the references they
         #    add allow (``max_fork_refs_per_call``).
         k = s.max_forks_per_sequence
         children = min(s.max_forks_per_call, n * k)
         nparents = -(-children // k)
-        parent_blocks = max(1, min(s.max_fork_refs_per_call // children, max_blocks // nparents))
-        ptoks = parent_blocks * bs
-        parents = (await a.step(lease, [], [Create(tuple(range(10**7 + i * ptoks, 10**7 + (i + 1) * ptoks)), "limits")
-                                            for i in range(nparents)])).created
-        forks = [Update(p.sequence_id, p.num_tokens, fork_grow_to=(0,) * min(k, children - i * k))
-                 for i, p in enumerate(parents)]
+        parent_blocks = max(1, min(s.max_fork_refs_per_call // children, max_blocks // nparents,
+                                   s.max_sequence_blocks))
+        parents = [await create([tokens_from(parent_blocks * bs) for _ in range(nparents)]) for _ in range(REPEAT)]
         await row("step", f"{children} children of {nparents} parents of {parent_blocks} blocks",
-                  lambda: a.step(lease, forks, []))
+                  lambda i: a.step(lease, [Update(p.sequence_id, p.num_tokens, fork_grow_to=(0,) * min(k, children - j * k))
+                                           for j, p in enumerate(parents[i])], []))
+        # 4. The frees of one Step: sequences of max_sequence_blocks, max_release_per_call
+        #    blocks in all.
+        longest = min(s.max_sequence_blocks, max_blocks)
+        nfree = max(1, s.max_release_per_call // longest)
+        victims = [[(await create([tokens_from(longest * bs)]))[0] for _ in range(nfree)] for _ in range(REPEAT)]
+        await row("step", f"frees of {nfree} sequences of {longest} blocks", lambda i: a.step(
+            lease, [Update(v.sequence_id, v.num_tokens, free=True) for v in victims[i]], []))
         # 5. Syncs that grant the most blocks at once: a background refill of a pool this
-        #    large (its cap: 1% of 2^24 blocks), and a step that needs max_blocks at once.
-        epoch = (await a.geometry("limits"))[0]
-        await row("sync", f"a background refill (at most {s.max_refill_per_call:,} blocks)", lambda: a.sync(
+        #    large (its cap: 1% of 2^24 blocks), and a step that needs the most at once
+        #    (granted max_blocks_per_call per script call).
+        await row("sync", f"a background refill (at most {s.max_refill_per_call:,} blocks)", lambda i: a.sync(
             lease, [ReserveRequest("limits", epoch, want_blocks=num_blocks)]))
-        await row("sync", f"the {max_blocks:,} blocks a step may need at once", lambda: a.sync(
-            lease, [ReserveRequest("limits", epoch, need_blocks=max_blocks)]))
-        # 6. The placement probe of a create without pool id: every hash of the prompt.
-        await row("probe", f"placement of a {tokens:,}-token prompt", lambda: a.step(
-            lease, [], [Create(prompt[::-1], "")]))
-        # 7. The revoke of a lease holding all of that: the reaper frees it in bounded calls.
-        await row("reap", "a revoked lease's sequences and reserve (one bounded call)",
-                  lambda: a.revoke_lease(lease))
-        # 8. The audit of the pool (Python over a snapshot, on the serving loop): wall clock.
+        need = min(s.max_journal_blocks, 16 * max_blocks)
+        await row("sync", f"{need:,} blocks a step needs at once ({max_blocks:,} per script call)", lambda i: a.sync(
+            lease, [ReserveRequest("limits", epoch, need_blocks=min(s.max_journal_blocks, (i + 2) * need))]))
+        # 6. The longest journals: max_journal_entries decode entries (a block and its
+        #    commit each, as a decode step logs them), and frees of the longest sequences;
+        #    the allocator applies a journal in script calls of bounded work.
+        await _journals(a, s, row, bs, epoch, tokens_from)
+        # 7. The placement probe of a create without pool id: every hash of the prompt.
+        await row("probe", f"placement of a {tokens:,}-token prompt", lambda i: a.step(
+            lease, [], [Create(prompts[i][::-1], "")]))
+        # 8. The revoke of a lease holding all of that: the reaper frees it in bounded calls
+        #    (the median and the largest of all of them).
+        await row("reap", "a revoked lease's sequences and reserve (bounded calls)",
+                  lambda i: a.revoke_lease(lease) if i == 0 else asyncio.sleep(0))
+        # 9. The audit of the pool: a snapshot read in pieces (the longest Redis command of
+        #    it), checked in a thread (the longest pause of the serving event loop meanwhile).
         progress("limits: audit")
+        await r.slowlog_reset()
+        lags: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            while not done.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lags.append((time.perf_counter() - t) * 1e3 - 1)
+
+        tick = asyncio.create_task(ticker())
         t0 = time.perf_counter()
         await run_audit(a, "limits")
-        rows.append(Row("audit", f"a pool of {num_blocks:,} blocks (wall clock, Python)",
-                        (time.perf_counter() - t0) * 1e3))
+        took = time.perf_counter() - t0
+        done.set()
+        await tick
+        reads = sorted(e["duration"] / 1000 for e in await r.slowlog_get(4096)
+                       if not str(e["command"]).upper().lstrip("B'").startswith(("EVALSHA", "SLOWLOG")))
+        rows.append(Row("audit", f"a pool of {num_blocks:,} blocks: its longest Redis read ({took:.1f} s in all)",
+                        reads[-1] if reads else 0.0, reads[-1] if reads else 0.0))
+        lags.sort()
+        rows.append(Row("audit", "... meanwhile, the longest pause of the serving event loop (ms)",
+                        lags[-1] if lags else 0.0, lags[-1] if lags else 0.0))
         await store.close()
         await r.aclose()
     return rows
 
 
+async def _journals(a: Any, s: Any, row: Callable[..., Awaitable[Any]], bs: int, epoch: int,
+                    tokens_from: Callable[[int], tuple[int, ...]]) -> None:
+    """The sync rows of the longest journals (leases of their own, one per repetition)."""
+    from kvservice.allocator.domain import Create, JournalColumns, ReserveRequest, parse_sequence_id
+
+    async def decode_journal() -> tuple[str, JournalColumns]:
+        """A lease with max_journal_entries sequences of one full block each, and a journal
+        of one entry each: a block from its reserve, and the commit of the block it fills."""
+        lease = (await a.grant_lease("limits-journal", 3600.0)).lease_id
+        n = s.max_journal_entries
+        per = max(1, min(s.max_items_per_call, s.max_blocks_per_call))
+        seqs = []
+        for start in range(0, n, per):
+            seqs += (await a.step(lease, [], [Create(tokens_from(bs), "limits")
+                                              for _ in range(start, min(n, start + per))])).created
+        _, grants = await a.sync(lease, [ReserveRequest("limits", epoch, need_blocks=n)])
+        cols, parents = JournalColumns(), []
+        for seq, b in zip(seqs, list(grants[0].granted_blocks)[:n]):
+            for name, value in (("kinds", 1), ("sequences", parse_sequence_id(seq.sequence_id)[2]),
+                                ("num_tokens", 2 * bs), ("children", 0), ("num_blocks", 1), ("num_commits", 1)):
+                getattr(cols, name).append(value)
+            cols.blocks.append(b)
+            cols.commit_tokens.extend(tokens_from(bs))
+            parents.append(seq.last_hash)
+        return lease, dataclasses.replace(cols, parent_hashes=b"".join(parents))
+
+    async def free_journal() -> tuple[str, JournalColumns]:
+        """A lease with 8 sequences of the longest table, and a journal freeing them."""
+        lease = (await a.grant_lease("limits-journal", 3600.0)).lease_id
+        longest = min(s.max_sequence_blocks, s.max_blocks_per_call)
+        cols = JournalColumns()
+        for _ in range(8):
+            seq = (await a.step(lease, [], [Create(tokens_from(longest * bs), "limits")])).created[0]
+            for name, value in (("kinds", 5), ("sequences", parse_sequence_id(seq.sequence_id)[2]),
+                                ("num_tokens", seq.num_tokens), ("children", 0), ("num_blocks", 0),
+                                ("num_commits", 0)):
+                getattr(cols, name).append(value)
+        return lease, cols
+
+    for what, build in ((f"a journal of {s.max_journal_entries:,} decode entries (a block and a commit each)",
+                         decode_journal),
+                        (f"a journal freeing 8 sequences of {min(s.max_sequence_blocks, s.max_blocks_per_call)} "
+                         f"blocks", free_journal)):
+        built = [await build() for _ in range(REPEAT)]
+        await row("sync", what, lambda i: a.sync(built[i][0], [ReserveRequest("limits", epoch, first_entry=1,
+                                                                               entries=built[i][1])]))
+
+
 def table(rows: list[Row]) -> str:
-    lines = [f"{'script':<8} {'worst allowed call':<62} {'Redis ms':>9}  target",
-             "-" * 92]
+    lines = [f"{'script':<8} {'worst allowed call':<66} {'Redis ms':>9} {'largest':>8}  target",
+             "-" * 105]
     for x in rows:
-        lines.append(f"{x.script:<8} {x.call:<62} {x.ms:>9.1f}  {'ok' if x.met else 'OVER ' + str(TARGET_MS)}")
+        lines.append(f"{x.script:<8} {x.call:<66} {x.ms:>9.1f} {x.max_ms:>8.1f}  "
+                     f"{'ok' if x.met else 'OVER ' + str(TARGET_MS)}")
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
 ---   max_seqs, max_blocks (the freed sequences' blocks in all: past it, the rest waits for
----   the next call; one sequence at least), tombstone_ms}
+---   the next call; one sequence at least; what is left of it, 256 at least, bounds the
+---   scan of the reserve hash for an ended lease's reserve), tombstone_ms}
 --- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
 ---   freed), reserved (reserve blocks reclaimed), more (whether work is left)}; or an
 ---   error (lib/codec): NOT_FOUND.
@@ -64,12 +65,22 @@ for _, lease in ipairs(expired) do
   if #members > take then
     more = true
   else
-    redis.call('ZREM', K_LEASES, lease)
-    redis.call('ZADD', K_DEAD, now, lease)
-    nleases = nleases + 1
-    reserved = reserved + reclaim_reserve(lease)
-    redis.call('HDEL', K_JOURNAL, lease)
-    held_drop(lease)
+    -- Its sequences are freed: the lease is dead (the workers learn it from K_DEAD at
+    -- once); it leaves the pool's leases once its reserve is back too (a scan of the
+    -- pool's reserve hash, bounded per call).
+    if not redis.call('ZSCORE', K_DEAD, lease) then redis.call('ZADD', K_DEAD, now, lease) end
+    local got, done = reclaim_reserve(lease, math.max(256, block_budget))
+    reserved = reserved + got
+    if done then
+      redis.call('ZREM', K_LEASES, lease)
+      nleases = nleases + 1
+      redis.call('HDEL', K_JOURNAL, lease)
+      held_drop(lease)
+    else
+      held_write(held_load(lease), -got, 0)
+      more = true
+      break
+    end
   end
 end
 if #expired == p.max_leases then more = true end
@@ -81,5 +92,6 @@ if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
 local stats = {leases_expired = nleases, sequences_reaped = nseqs, sequences_freed = nseqs}
 apply(res.num_blocks, zero_hashed(nil), stats, nil)
 redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
+if #expired > 0 then changed() end
 incr_stats(stats)
 return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, reserved = reserved, more = more})

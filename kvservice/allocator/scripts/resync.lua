@@ -207,6 +207,7 @@ for _ in pairs(plan.old) do nold = nold + 1 end
 local nseqs = #plan.kept + math.max(0, h.ls - nold)
 held_write(h, nblocks - h.lb, nseqs - h.ls)
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+changed()
 incr_stats({journal_resyncs = 1, sequences_lost = #plan.lost, sequences_created = created,
             sequences_freed = freed})
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = p.first_entry - 1, lost = plan.lost,

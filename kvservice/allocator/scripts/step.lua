@@ -7,7 +7,8 @@
 ---   lease_deadline_ms (0: the lease is attached to this pool already), tenant (the
 ---   lease's; '' when not looked up: the pool's record of the lease names it, lib/held),
 ---   quota = {blocks, sequences} (the tenant's quotas in the pool; 0: none), max_blocks,
----   max_fork_refs (the block references the step's forks may add at most),
+---   max_fork_refs (the block references the step's forks may add at most), max_release
+---   (the blocks its frees may release at most),
 ---   updates = [{sequence (n of <pool>/<epoch>/<n>-<tag>), tag (as the caller gave it, for
 ---     messages: '' or the tag that the allocator checked), epoch, num_tokens (-1: the
 ---     allocator's), grow_to (0: no growth), free, num_committed_blocks (the index of the
@@ -188,14 +189,22 @@ end
 -- Phase 2: frees.
 local function free_sequences(recs)
   local freed = {}
+  local released = 0
   for i, u in ipairs(ups) do
     if u.free then
       if #u.fork_grow_to > 0 or u.grow_to > 0 then
         bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ' cannot be freed and forked or grown in one step')
       end
-      release(recs[i])
+      released = released + rec_len(recs[i])
+      if released > p.max_release then
+        bad('INVALID_ARGUMENT', 'the step\'s frees would release more than ' .. p.max_release ..
+          ' blocks (free the sequences over several calls)')
+      end
       freed[i] = true
     end
+  end
+  for i in ipairs(ups) do
+    if freed[i] then release(recs[i]) end
   end
   return freed
 end
@@ -431,6 +440,7 @@ local out_copies = {}
 for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end
 stats.sequences_created = nkids + nmade
 stats.sequences_freed = #del
+changed()
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, updates = out_updates, created = out_made,
                                     copies = out_copies}))

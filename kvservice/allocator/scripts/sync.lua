@@ -32,7 +32,8 @@
 ---   hash hex of each entry with commits)}, want (the reserve size asked for), cap (the most a
 ---   lease may hold), pressure_blocks (below this many free + evictable blocks the cap
 ---   drops to pressure_cap), pressure_cap, returned = [blocks given back],
----   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap),
+---   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap;
+---   max_need of them per call at most),
 ---   max_fork_refs (the block references the batch's forks may add at most), max_refill
 ---   (the most blocks a refill towards the reserve's size grants in one call)}
 --- Returns msgpack {epoch, applied (the last entry applied), granted = [blocks added to
@@ -426,7 +427,7 @@ local cap = p.cap
 if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
 local unused = redis.call('LLEN', K_FREE) + plan.num_blocks - (tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0)
 local need = math.max(math.min(unused, p.max_refill, math.max(0, math.min(p.want, cap) - plan.kept)),
-                      math.min(available, math.max(0, p.need - plan.kept)))
+                      math.min(available, p.max_need, math.max(0, p.need - plan.kept)))
 local room = held_room(held, 'blocks', p.quota, held_blocks)
 if need > room then
   need = room
@@ -459,6 +460,7 @@ if p.want_sequence_numbers > 0 then
 end
 held_write(held, held_blocks + #granted, held_seqs + num_seqs)
 if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+if plan.done > 0 or #p.returned > 0 or #granted > 0 or num_seqs > 0 or plan.attach then changed() end
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = plan.applied, granted = granted,
                                     num_reserved = plan.kept + #granted, cap = cap,

@@ -40,6 +40,12 @@ local function available_now(num_blocks)
   return redis.call('LLEN', K_FREE) + (num_blocks - fresh) + redis.call('ZCARD', K_EVICT)
 end
 
+-- Every script that changes the pool's state raises its change counter, so that a reader
+-- in pieces (the audit's snapshot) can tell whether it read one state.
+local function changed()
+  redis.call('HINCRBY', K_STATE, 'version', 1)
+end
+
 local function incr_stats(stats)
   for k, v in pairs(stats) do
     if v ~= 0 then redis.call('HINCRBY', K_STATS, k, v) end

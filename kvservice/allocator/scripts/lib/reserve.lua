@@ -19,18 +19,36 @@ local function set_lease_progress(lease, applied, reserved)
   redis.call('HSET', K_JOURNAL, lease, string.format('%d %d', applied, reserved))
 end
 
--- Gives a lease's whole reserve back to the free list; returns how many blocks. (Reads
--- the pool's whole reserve hash: only when a lease ends.)
-local function reclaim_reserve(lease)
-  local all = redis.call('HGETALL', K_RESERVE)
-  local fields = {}
-  for i = 1, #all, 2 do
-    if all[i + 1] == lease then fields[#fields + 1] = all[i] end
+-- Gives an ended lease's reserve back to the free list, scanning the pool's reserve hash
+-- from where the previous call stopped (K_STATE "reclaim:<lease>") for about ``budget``
+-- fields; returns how many blocks it gave back and whether the reserve is all back.
+local function reclaim_reserve(lease, budget)
+  local _, left = lease_progress(lease)
+  if left == 0 then return 0, true end
+  local mark = 'reclaim:' .. lease
+  local cursor = redis.call('HGET', K_STATE, mark) or '0'
+  local fields, seen = {}, 0
+  repeat
+    local got = redis.call('HSCAN', K_RESERVE, cursor, 'COUNT', 256)
+    cursor = got[1]
+    local kv = got[2]
+    for i = 1, #kv, 2 do
+      if kv[i + 1] == lease then fields[#fields + 1] = kv[i] end
+    end
+    seen = seen + #kv / 2
+  until cursor == '0' or seen >= budget or #fields >= left
+  if #fields > 0 then
+    call_chunked('HDEL', K_RESERVE, fields)
+    call_chunked('RPUSH', K_FREE, fields)
   end
-  if #fields == 0 then return 0 end
-  call_chunked('HDEL', K_RESERVE, fields)
-  call_chunked('RPUSH', K_FREE, fields)
-  return #fields
+  local done = cursor == '0' or #fields >= left
+  if done then
+    redis.call('HDEL', K_STATE, mark)
+  else
+    redis.call('HSET', K_STATE, mark, cursor)
+    set_lease_progress(lease, 0, left - #fields)
+  end
+  return #fields, done
 end
 
 -- Checks a Sync's pool part (p: pool, epoch, lease_id, lease_deadline_ms): the epoch and

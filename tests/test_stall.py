@@ -1,0 +1,80 @@
+"""Bounded work (docs/security.md, "Limits"): every script stalls Redis for every other
+caller while it runs, so the per-call limits keep the worst allowed call short; here a
+stream of such calls, from several clients at once, runs beside another tenant's lease of
+2 s, which its keep-alives (every 2/3 s) must keep alive throughout. How long each worst
+call holds Redis is measured by ``kvservice limits`` (a bench, not a timed test)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from helpers import TEST_SETTINGS, ServerThread, audit
+from kvservice import errors
+from kvservice.client import Client
+
+BS = 16
+S = TEST_SETTINGS
+
+
+def _attack(target: str, stop: threading.Event, first: int, counts: dict[str, int], failures: list) -> None:
+    """Worst allowed calls, back to back: the longest create (new blocks, then all cached),
+    the most forks of the longest parents the fork budget allows, and the frees."""
+    longest = min(S.max_blocks_per_call, S.max_sequence_blocks) * BS
+    try:
+        with Client(target, tenant="attacker", lease_ttl=30) as c:
+            n = first
+            while not stop.is_set():
+                prompt = list(range(n, n + longest))
+                n += longest
+                a = c.create(prompt, pool="stall")
+                b = c.create(prompt, pool="stall")             # every block but the last cached
+                parent_blocks = S.max_fork_refs_per_call // S.max_forks_per_call
+                p = c.create(list(range(n, n + parent_blocks * BS)), pool="stall")
+                n += parent_blocks * BS
+                kids = c.step(forks={p: [[]] * S.max_forks_per_call}).children[p.id]
+                c.step(frees=[a, b, p, *kids])                  # (the SDK spreads the frees over calls)
+                counts["rounds"] = counts.get("rounds", 0) + 1
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        failures.append(exc)
+
+
+def test_another_tenants_2s_lease_survives_a_stream_of_worst_case_calls(redis_url):
+    with ServerThread(redis_url, S) as server:
+        with Client(server.target, tenant="admin") as admin:
+            admin.register_pool("stall", num_blocks=1 << 18, block_size=BS)
+        # The calls of the stream are the largest the limits take: one block more is refused.
+        with Client(server.target, tenant="probe") as probe:
+            with pytest.raises(errors.InvalidArgument, match="at most"):
+                probe.create(list(range(S.max_blocks_per_call * BS + 1)), pool="stall")
+            p = probe.create(list(range(BS)), pool="stall")
+            with pytest.raises(errors.InvalidArgument, match="at most"):
+                probe.step(forks={p: [[]] * (S.max_forks_per_call + 1)})
+        victim = Client(server.target, tenant="victim", lease_ttl=2.0)
+        mine = victim.create(list(range(7, 7 + 3 * BS)), pool="stall")
+        stop = threading.Event()
+        counts: dict[str, int] = {}
+        failures: list = []
+        attackers = [threading.Thread(target=_attack, args=(server.target, stop, 10**7 * (i + 1), counts, failures))
+                     for i in range(3)]
+        for t in attackers:
+            t.start()
+        try:
+            deadline = time.monotonic() + 6.0      # three TTLs of the victim's lease
+            while time.monotonic() < deadline and not failures:
+                time.sleep(0.1)
+                assert victim.lease_error is None, victim.lease_error
+        finally:
+            stop.set()
+            for t in attackers:
+                t.join(60)
+        assert not failures, failures
+        assert counts.get("rounds", 0) >= 3, counts      # (the stream did run)
+        # The victim's lease lived throughout: its keep-alives got through, its sequence is there.
+        assert victim.lease_error is None
+        assert victim.get(mine.id).num_tokens == 3 * BS
+        victim.step({mine: [1, 2, 3]})
+        victim.close()
+        assert audit(redis_url) == []
