@@ -50,6 +50,11 @@ __all__ = ["Client", "CopyPair", "Sequence", "StepResult", "to_domain_error"]
 #: Blocks one Step's frees may release: the allocator's max_release_per_call, by default
 #: (a step that frees more frees the rest in calls of its own first).
 MAX_RELEASE = 512
+#: The blocks of one Step's creates in all, and its items: the allocator's
+#: max_blocks_per_call and max_items_per_call, by default (a step with more creates makes
+#: the first ones in calls of their own).
+MAX_CREATE_BLOCKS = 512
+MAX_CREATES = 128
 
 class Client(LocalSteps):
     """A connection to the allocator with one lease, kept alive in the background.
@@ -93,6 +98,7 @@ class Client(LocalSteps):
         #: With ``local``: growth, copy-on-write, commits, forks and frees change local state
         #: at once and reach the allocator through the journal (``Sync``, in the background).
         self.local = local
+        self._block_sizes: dict[str, int] = {}     # pool -> block size (splitting large steps)
         self.flush_interval = flush_interval
         self.sync_count = 0         # Syncs sent by the flusher thread
         self.journal_error: errors.KvsError | None = None
@@ -171,11 +177,67 @@ class Client(LocalSteps):
         # (else: a local step's fast path takes each list as it is and copies the others)
         if frees or forks:
             _check_step(self, appends, forks, frees)
+        if len(creates) > 1:
+            groups = self._create_groups(creates)
+            if len(groups) > 1:
+                return self._step_in_groups(appends, forks, frees, groups)
         if self.local:
             return self._step_local(appends, forks, frees, creates)
         if len(frees) > 1 and sum(len(s._table) for s in frees) > MAX_RELEASE:
             frees = self._free_ahead(frees)
         return self._step_remote(appends, forks, frees, creates)
+
+    def _create_groups(self, creates: list) -> list[list]:
+        """The creates in runs that one Step takes (MAX_CREATE_BLOCKS, MAX_CREATES), in order."""
+        groups: list[list] = [[]]
+        blocks = 0
+        for c in creates:
+            n = -(-len(c[0]) // self._block_size(c[1]))
+            if groups[-1] and (blocks + n > MAX_CREATE_BLOCKS or len(groups[-1]) >= MAX_CREATES):
+                groups.append([])
+                blocks = 0
+            groups[-1].append(c)
+            blocks += n
+        return groups
+
+    def _block_size(self, pool: str) -> int:
+        """A pool's block size (any pool's smallest for a create without one), cached."""
+        if pool not in self._block_sizes:
+            sizes = {p.pool_id: p.geometry.block_size for p in self.pools()}
+            sizes[""] = min(sizes.values(), default=1)
+            self._block_sizes = sizes
+        return self._block_sizes.get(pool) or self._block_sizes[""]
+
+    def _step_in_groups(self, appends: dict, forks: dict, frees: list, groups: list[list]) -> StepResult:
+        """A step whose creates one Step does not take: the first runs of creates in steps
+        of their own, the last with the rest of the step. Refused, the error's ``result``
+        holds every sequence made so far, and its ``partial`` a response whose ``created``
+        lines up with all the step's creates."""
+        made: list[Sequence] = []
+        states: list[pb.Sequence] = []
+        for i, group in enumerate(groups):
+            last = i == len(groups) - 1
+            try:
+                got = self.step(appends if last else None, forks=forks if last else None,
+                                frees=frees if last else (), creates=group)
+            except errors.KvsError as exc:
+                result = exc.result if isinstance(exc.result, StepResult) else StepResult()
+                result.created = made + list(result.created)
+                exc.result = result
+                partial = pb.StepResponse()
+                if exc.partial is not None:
+                    partial.CopyFrom(exc.partial)
+                del partial.created[:]
+                partial.created.extend(states)
+                partial.created.extend(exc.partial.created if exc.partial is not None and exc.partial.created
+                                        else [pb.Sequence() for _ in group])
+                partial.created.extend(pb.Sequence() for g in groups[i + 1:] for _ in g)
+                exc.partial = partial
+                raise
+            made += got.created
+            states += [pb.Sequence(sequence_id=s.id) for s in got.created]
+        got.created = made
+        return got
 
     def _free_ahead(self, frees: list[Sequence]) -> list[Sequence]:
         """Frees what one Step may not release (the allocator's max_release_per_call) in

@@ -143,3 +143,26 @@ def test_the_suites_allocator_takes_tls_and_a_token_only(server, monkeypatch):
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.AllocatorStub(ch).ListPools(pb.ListPoolsRequest(), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_step_with_more_creates_than_one_call_takes_makes_them_in_several(client):
+    """The allocator takes at most 512 blocks of creates per Step (max_blocks_per_call): the
+    SDK makes a larger step's first creates in calls of their own, in order."""
+    from kvservice import client as sdk
+    client.register_pool("big", num_blocks=4096, block_size=BS)
+    prompts = [list(range(i * 1000, i * 1000 + 100 * BS)) for i in range(12)]     # 100 blocks each
+    before = client.rpc_count
+    made = client.step(creates=[(p, "big", b"") for p in prompts]).created
+    assert [s.num_tokens for s in made] == [100 * BS] * 12
+    assert [client.get(s.id).num_tokens for s in made] == [100 * BS] * 12
+    assert client.rpc_count - before >= -(-12 * 100 // sdk.MAX_CREATE_BLOCKS) + 12   # 3 Steps, then the gets
+    # A run refused for want of blocks: the runs made before it are the caller's, in the
+    # error's result, and its partial response lines up with every create of the step.
+    client.register_pool("small", num_blocks=700, block_size=BS)
+    with pytest.raises(errors.ResourceExhausted) as info:
+        client.step(creates=[(p, "small", b"") for p in prompts[:8]])   # 500 blocks made, then 300 of 200
+    got = info.value.result.created
+    assert [s.num_tokens for s in got] == [100 * BS] * 5 and all(s.pool == "small" for s in got)
+    assert len(info.value.partial.created) == 8
+    assert [bool(c.sequence_id) for c in info.value.partial.created] == [True] * 5 + [False] * 3
+    client.step(frees=made + got)

@@ -37,10 +37,12 @@ class Row:
     call: str
     ms: float          # the median of the script calls the row made
     max_ms: float = 0.0
+    #: False: a figure shown beside the Redis stalls, not one of them (no target).
+    stall: bool = True
 
     @property
     def met(self) -> bool:
-        return self.ms <= TARGET_MS
+        return not self.stall or self.ms <= TARGET_MS
 
 
 async def _script_ms(r: Any, run: Callable[[], Awaitable[Any]], names: dict[str, str]) -> dict[str, list[float]]:
@@ -180,8 +182,8 @@ async def measure(settings: Any, progress: Callable[[str], None] = print) -> lis
         rows.append(Row("audit", f"a pool of {num_blocks:,} blocks: its longest Redis read ({took:.1f} s in all)",
                         reads[-1] if reads else 0.0, reads[-1] if reads else 0.0))
         lags.sort()
-        rows.append(Row("audit", "... meanwhile, the longest pause of the serving event loop (ms)",
-                        lags[-1] if lags else 0.0, lags[-1] if lags else 0.0))
+        rows.append(Row("audit", "... meanwhile, the longest pause of the serving event loop",
+                        lags[-1] if lags else 0.0, lags[-1] if lags else 0.0, stall=False))
         await store.close()
         await r.aclose()
     return rows
@@ -239,14 +241,15 @@ def table(rows: list[Row]) -> str:
     lines = [f"{'script':<8} {'worst allowed call':<66} {'Redis ms':>9} {'largest':>8}  target",
              "-" * 105]
     for x in rows:
-        lines.append(f"{x.script:<8} {x.call:<66} {x.ms:>9.1f} {x.max_ms:>8.1f}  "
-                     f"{'ok' if x.met else 'OVER ' + str(TARGET_MS)}")
+        verdict = ("ok" if x.met else f"OVER {TARGET_MS}") if x.stall else "(not Redis)"
+        lines.append(f"{x.script:<8} {x.call:<66} {x.ms:>9.1f} {x.max_ms:>8.1f}  {verdict}")
     return "\n".join(lines)
 
 
 def main(settings: Any) -> int:
     rows = asyncio.run(measure(settings, progress=lambda m: print(f"[{m}]", flush=True)))
     print(table(rows))
-    over = [x for x in rows if not x.met]
-    print(f"\n{len(rows) - len(over)}/{len(rows)} within {TARGET_MS:.0f} ms")
+    stalls = [x for x in rows if x.stall]
+    over = [x for x in stalls if not x.met]
+    print(f"\n{len(stalls) - len(over)}/{len(stalls)} Redis stalls within {TARGET_MS:.0f} ms")
     return 0
