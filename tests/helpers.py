@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import os
+import shutil
+import tempfile
 import threading
+import types
 from typing import Any
 
 from kvservice.allocator.core import Allocator
@@ -12,9 +17,44 @@ from kvservice.allocator.config import Settings
 from kvservice.allocator.server import create_server, reaper
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.store import Store, connect
+from kvservice.common.auth import TokenFile, add_token
+from kvservice.common.security import ClientCredentials, ServerTls
+from kvservice.tools.certs import make_certs
 from kvservice.v1 import allocator_pb2 as pb
 
 TEST_SETTINGS = Settings(reap_interval=0.05, request_ttl=60.0)
+
+_SUITE: types.SimpleNamespace | None = None
+#: host:port of each in-process allocator that takes TLS and tokens -> the credentials its
+#: test clients present (conftest gives them to every ``Client`` and engine of the test
+#: process that connects there without credentials of its own).
+SECURE_TARGETS: dict[str, ClientCredentials] = {}
+
+
+def suite_credentials() -> types.SimpleNamespace:
+    """The suite's credentials, made once per process: a development CA and a server
+    certificate (``kvservice certs``), and a tokens file with one admin's token (an admin
+    may name any tenant, so tests choose their tenants as before)."""
+    global _SUITE
+    if _SUITE is None:
+        d = tempfile.mkdtemp(prefix="kvs-suite-credentials-")
+        atexit.register(shutil.rmtree, d, True)
+        make_certs(d)
+        tokens = os.path.join(d, "tokens")
+        token = add_token(tokens, "suite", "admin")
+        ca = os.path.join(d, "ca.pem")
+        _SUITE = types.SimpleNamespace(dir=d, tokens=tokens, token=token, ca=ca,
+                                       tls=ServerTls(os.path.join(d, "server.pem"), os.path.join(d, "server-key.pem")),
+                                       client=ClientCredentials(token=token, ca=ca))
+    return _SUITE
+
+
+def credentials_for(target: str) -> ClientCredentials:
+    """What a test client presents to ``target`` (one ``host:port`` or several, comma-separated)."""
+    for t in target.split(","):
+        if t.strip() in SECURE_TARGETS:
+            return SECURE_TARGETS[t.strip()]
+    return ClientCredentials()
 
 
 class LoopThread:
@@ -77,17 +117,28 @@ class LoopThread:
 
 
 class ServerThread(LoopThread):
-    """A real grpc.aio allocator server on 127.0.0.1:0, in its own thread and event loop."""
+    """A real grpc.aio allocator server on 127.0.0.1:0, in its own thread and event loop.
+
+    By default it takes TLS only and authenticates every call against the suite's tokens
+    file (``suite_credentials``); a test that gives its own ``tokens`` or ``tls`` gets
+    exactly those, and ``secure=False`` a plaintext server that authenticates nobody."""
 
     def __init__(self, redis_url: str, settings: Settings = TEST_SETTINGS, *, reap: bool = True,
-                 interceptors: tuple = (), tokens: Any = None, tls: Any = None) -> None:
+                 interceptors: tuple = (), tokens: Any = None, tls: Any = None, secure: bool | None = None) -> None:
         super().__init__()
         self.redis_url = redis_url
         self.settings = settings
         self.reap = reap
         self.interceptors = tuple(interceptors)   # (outside the error interceptor)
+        self.secure = (tokens is None and tls is None) if secure is None else secure
+        if self.secure:
+            tokens, tls = TokenFile(suite_credentials().tokens), suite_credentials().tls
         self.tokens = tokens                      # a TokenFile: every call authenticated
         self.tls = tls                            # a ServerTls: the port takes TLS only
+
+    def channel(self) -> Any:
+        """A blocking channel to this server with the suite's credentials (if it takes them)."""
+        return credentials_for(self.target).channel(self.target)
 
     async def serve(self) -> None:
         self.store = Store(connect(self.redis_url))
@@ -95,9 +146,12 @@ class ServerThread(LoopThread):
         self.server, self.port = await create_server(self.allocator, "127.0.0.1:0", outer=self.interceptors,
                                                      tokens=self.tokens, tls=self.tls)
         await self.server.start()
+        if self.secure:
+            SECURE_TARGETS[f"127.0.0.1:{self.port}"] = suite_credentials().client
         self._sweeper = asyncio.create_task(reaper(self.allocator, self.settings.reap_interval)) if self.reap else None
 
     async def shutdown(self) -> None:
+        SECURE_TARGETS.pop(f"127.0.0.1:{self.port}", None)
         if self._sweeper:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -34,7 +34,7 @@ from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
 from conftest import FLAVORS
-from helpers import TEST_SETTINGS, ServerThread, audit, snapshot, stats
+from helpers import TEST_SETTINGS, ServerThread, audit, credentials_for, snapshot, stats
 
 BS = 4
 NUM_BLOCKS = 64
@@ -92,7 +92,7 @@ class Base:
 
 
 def _build_baseline(target: str, redis_url: str) -> Base:
-    channel = grpc.insecure_channel(target)
+    channel = credentials_for(target).channel(target)
     st = pb_grpc.AllocatorStub(channel)
     b = Base(target, redis_url, st)
     st.RegisterPool(pb.RegisterPoolRequest(pool_id="p0", geometry=geometry(), request_id="rid-reg"))
@@ -698,7 +698,7 @@ def test_every_rpc_answers_unavailable_when_redis_is_unreachable(flavor):
     r = EmbeddedRedis(flavor).start()
     try:
         with ServerThread(r.url, Settings(reap_interval=0.05), reap=False) as server:
-            stub = pb_grpc.AllocatorStub(grpc.insecure_channel(server.target))
+            stub = pb_grpc.AllocatorStub(server.channel())
             stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p0", geometry=geometry()))
             lease = stub.GrantLease(pb.GrantLeaseRequest(tenant="t1", ttl_seconds=30)).lease_id
             sid = stub.CreateSequence(pb.CreateSequenceRequest(lease_id=lease, token_ids=[1, 2, 3],

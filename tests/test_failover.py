@@ -25,7 +25,7 @@ from kvservice.channel import channel_target, parse_targets, service_config
 from kvservice.client import Client
 from kvservice.tools.launcher import AllocatorProcess
 
-from helpers import TEST_SETTINGS, ServerThread, audit, stats
+from helpers import TEST_SETTINGS, ServerThread, audit, stats, suite_credentials
 
 ROOT = Path(__file__).resolve().parent.parent
 BS = 4
@@ -223,7 +223,9 @@ def test_a_client_paused_past_its_ttl_refuses_its_next_append_after_it_resumes(r
     with ServerThread(redis_url, TEST_SETTINGS.replace(reserve_min_blocks=2)) as server:
         with Client(server.target, tenant="admin") as admin:
             admin.register_pool("p0", num_blocks=8, block_size=BS)
+        creds = suite_credentials()       # (the client process presents the suite's credentials)
         proc = subprocess.Popen([sys.executable, str(script), server.target, mode, append], cwd=ROOT,
+                                env={**os.environ, "KVSERVICE_TLS_CA": creds.ca, "KVSERVICE_TOKEN": creds.token},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             line = _read_line(proc, 60)

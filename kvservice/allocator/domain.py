@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvservice import errors
 from kvservice.common import hashing
 from kvservice.common.settings import TENANT_NAME, echo
+
+if TYPE_CHECKING:
+    from kvservice.common.geometry import Geometry
 
 LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TENANT = TENANT_NAME

@@ -337,23 +337,21 @@ class Store:
                 pipe.hget(k["state"], "version")
                 return tuple(await pipe.execute())
 
-        async def hash_of(key: str) -> dict[bytes, bytes]:
-            out: dict[bytes, bytes] = {}
+        async def scanned(scan: Any, key: str) -> dict[bytes, Any]:
+            """HSCAN or ZSCAN to the end (an entry seen twice, as a scan may, counts once)."""
+            out: dict[bytes, Any] = {}
             cursor = 0
             while True:
-                cursor, part = await r.hscan(key, cursor, count=piece)
+                cursor, part = await scan(key, cursor, count=piece)
                 out.update(part)
                 if not cursor:
                     return out
 
+        async def hash_of(key: str) -> dict[bytes, bytes]:
+            return await scanned(r.hscan, key)
+
         async def zset_of(key: str) -> list[tuple[bytes, float]]:
-            out: dict[bytes, float] = {}
-            cursor = 0
-            while True:
-                cursor, part = await r.zscan(key, cursor, count=piece)
-                out.update(part)
-                if not cursor:
-                    return list(out.items())
+            return list((await scanned(r.zscan, key)).items())
 
         async def list_of(key: str) -> list[bytes]:
             out: list[bytes] = []
