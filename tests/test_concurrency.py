@@ -209,7 +209,7 @@ def worker_main(args: dict) -> None:
 def test_two_replicas_eight_client_processes_random_ops(redis_url, tmp_path):
     from kvservice.tools.launcher import AllocatorProcess
 
-    from helpers import audit, stats
+    from helpers import audit, client_env, stats
 
     replicas = [AllocatorProcess(redis_url, args=("--reap-interval", "0.2")) for _ in range(2)]
     workers: list[tuple[subprocess.Popen, Path, dict]] = []
@@ -227,6 +227,7 @@ def test_two_replicas_eight_client_processes_random_ops(redis_url, tmp_path):
                     "out": str(tmp_path / f"worker{i}.json")}
             log = open(tmp_path / f"worker{i}.log", "wb")
             proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(args)], cwd=ROOT,
+                                    env={**os.environ, **client_env()},
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
             log.close()
             workers.append((proc, Path(args["out"]), args))

@@ -21,7 +21,7 @@ from kvservice.client import Client
 from kvservice.tools.launcher import AllocatorProcess
 from kvservice.v1 import allocator_pb2 as pb
 
-from helpers import audit, stats
+from helpers import audit, client_env, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 1.0
@@ -79,7 +79,7 @@ def test_sigkilled_client_leaves_no_allocated_block_after_its_lease_ttl(allocato
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     proc = subprocess.Popen([sys.executable, str(script), allocator.target, str(TTL)], cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**os.environ, **client_env()}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = read_line(proc, 60)
         if not line:

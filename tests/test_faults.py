@@ -14,6 +14,7 @@ and the audit must be clean. Run with ``-s`` to see the figures."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from kvservice.allocator.audit import run_audit
 from kvservice.client import Client
 from kvservice.tools.launcher import AllocatorProcess
 
-from helpers import run_async, stats
+from helpers import client_env, run_async, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds of load under kills (the issue asks for at least 40).
@@ -128,7 +129,8 @@ class ClientProcess:
         self._err = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(script), target, str(index), str(DURATION), str(LEASE_TTL), str(RETRY_BUDGET)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+            cwd=ROOT, env={**os.environ, **client_env()}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._err, text=True)
         self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
         #: When the last line read came (monotonic).
         self.read_at = 0.0

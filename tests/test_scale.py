@@ -10,7 +10,7 @@ import threading
 import grpc
 import pytest
 
-from helpers import TEST_SETTINGS, ServerThread
+from helpers import TEST_SETTINGS, ServerThread, credentials_for
 from kvservice.client import Client
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
@@ -108,7 +108,7 @@ def test_a_message_beyond_the_limit_is_refused_before_it_is_decoded_and_memory_s
     from kvservice.tools.launcher import AllocatorProcess
 
     with AllocatorProcess() as proc:
-        channel = grpc.insecure_channel(proc.target, options=[("grpc.max_send_message_length", 64 << 20)])
+        channel = credentials_for(proc.target).channel(proc.target, [("grpc.max_send_message_length", 64 << 20)])
         stub = pb_grpc.AllocatorStub(channel)
         try:
             stub.ListPools(pb.ListPoolsRequest(), timeout=30)
