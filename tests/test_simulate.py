@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import client_env
 from kvservice import cli
 from kvservice.client import Client
 from kvservice.simulate.buddy import Buddy, order_of
@@ -275,7 +277,7 @@ def test_cli_prints_a_json_list(target):
         [sys.executable, "-m", "kvservice", "simulate", "--workload", "alpaca", "--requests", "40",
          "--max-len", "512", "--capacity-tokens", "2048", "--policies", "max,oracle,paged",
          "--target", target, "--json"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, env={**os.environ, **client_env()})
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout)
     assert [r["policy"] for r in results] == ["max", "oracle", "paged"]

@@ -61,6 +61,12 @@ class ReserveOps:
         for r in pools:
             _, geo = await self.geometry(r.pool_id)
             if r.resync is not None:
+                s = self.settings
+                blocks = sum(len(c.block_table) for c in r.resync)
+                if len(r.resync) > s.max_journal_entries or blocks > s.max_journal_blocks:
+                    raise errors.InvalidArgument(
+                        f"pool {r.pool_id}: a resync of {len(r.resync)} sequences and {blocks} blocks, at most "
+                        f"{s.max_journal_entries} and {s.max_journal_blocks}")
                 entries[r.pool_id] = resync_payload(r, geo)
             else:
                 entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,

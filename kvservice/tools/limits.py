@@ -151,14 +151,17 @@ async def measure(settings: Any, progress: Callable[[str], None] = print) -> lis
         #    commit each, as a decode step logs them), and frees of the longest sequences;
         #    the allocator applies a journal in script calls of bounded work.
         await _journals(a, s, row, bs, epoch, tokens_from)
-        # 7. The placement probe of a create without pool id: every hash of the prompt.
+        # 7. A resync (after Redis lost acknowledged writes): the lease's whole state in the
+        #    pool, as large as a resync may be, every claim kept.
+        await _resync(a, s, row, bs, epoch, tokens_from)
+        # 8. The placement probe of a create without pool id: every hash of the prompt.
         await row("probe", f"placement of a {tokens:,}-token prompt", lambda i: a.step(
             lease, [], [Create(prompts[i][::-1], "")]))
-        # 8. The revoke of a lease holding all of that: the reaper frees it in bounded calls
+        # 9. The revoke of a lease holding all of that: the reaper frees it in bounded calls
         #    (the median and the largest of all of them).
         await row("reap", "a revoked lease's sequences and reserve (bounded calls)",
                   lambda i: a.revoke_lease(lease) if i == 0 else asyncio.sleep(0))
-        # 9. The audit of the pool: a snapshot read in pieces (the longest Redis command of
+        # 10. The audit of the pool: a snapshot read in pieces (the longest Redis command of
         #    it), checked in a thread (the longest pause of the serving event loop meanwhile).
         progress("limits: audit")
         await r.slowlog_reset()
@@ -235,6 +238,29 @@ async def _journals(a: Any, s: Any, row: Callable[..., Awaitable[Any]], bs: int,
         built = [await build() for _ in range(REPEAT)]
         await row("sync", what, lambda i: a.sync(built[i][0], [ReserveRequest("limits", epoch, first_entry=1,
                                                                                entries=built[i][1])]))
+
+
+async def _resync(a: Any, s: Any, row: Callable[..., Awaitable[Any]], bs: int, epoch: int,
+                  tokens_from: Callable[[int], tuple[int, ...]]) -> None:
+    """The resync row: leases holding the most a resync may claim (sequences of at most
+    max_blocks_per_call blocks, max_journal_blocks in all), each resynced whole."""
+    from kvservice.allocator.domain import Create, ReserveRequest, SequenceClaim, parse_sequence_id
+
+    longest = min(s.max_sequence_blocks, s.max_blocks_per_call)
+    count = min(s.max_journal_entries, max(1, s.max_journal_blocks // longest))
+    count = min(count, 64)      # (64 sequences of the longest table: what the tool builds in seconds)
+    leases = []
+    for _ in range(REPEAT):
+        lease = (await a.grant_lease("limits-resync", 3600.0)).lease_id
+        claims = []
+        for _ in range(count):
+            seq = (await a.step(lease, [], [Create(tokens_from(longest * bs), "limits")])).created[0]
+            claims.append(SequenceClaim(parse_sequence_id(seq.sequence_id)[2], seq.num_tokens, tuple(seq.block_table),
+                                        seq.num_committed_blocks, seq.last_hash, b"".join(seq.block_hashes),
+                                        seq.num_cached_tokens))
+        leases.append((lease, tuple(claims)))
+    await row("resync", f"a resync claiming {count} sequences of {longest} blocks ({count * longest:,} in all)",
+              lambda i: a.sync(leases[i][0], [ReserveRequest("limits", epoch, first_entry=1, resync=leases[i][1])]))
 
 
 def table(rows: list[Row]) -> str:
