@@ -149,7 +149,7 @@ def test_the_suites_allocator_takes_tls_and_a_token_only(server):
 def test_a_step_with_more_creates_than_one_call_takes_makes_them_in_several(client):
     """The allocator takes at most 512 blocks of creates per Step (max_blocks_per_call): the
     SDK makes a larger step's first creates in calls of their own, in order."""
-    from kvservice import client as sdk
+    from kvservice import batches as sdk
     client.register_pool("big", num_blocks=4096, block_size=BS)
     prompts = [list(range(i * 1000, i * 1000 + 100 * BS)) for i in range(12)]     # 100 blocks each
     before = client.rpc_count
