@@ -44,6 +44,7 @@ class Allocator(StepOps, ReserveOps):
         self.leases_granted = 0
         self._groups = cache_groups(self.settings.prefix_cache_groups)
         self._tenant_quotas = tenant_quotas(self.settings.quotas)
+        self._quota_of: dict[str, dict[str, int]] = {}
         s = self.settings
         self._quotas_on = bool(s.quota_blocks or s.quota_sequences or s.quota_leases or self._tenant_quotas)
         self._secret: bytes | None = None
@@ -256,10 +257,16 @@ class Allocator(StepOps, ReserveOps):
         return tenant
 
     def quota(self, tenant: str) -> dict[str, int]:
-        """A tenant's quotas (0: none): blocks and sequences per pool, leases."""
-        s = self.settings
-        q = {"blocks": s.quota_blocks, "sequences": s.quota_sequences, "leases": s.quota_leases}
-        q.update(self._tenant_quotas.get(tenant, {}))
+        """A tenant's quotas (0: none): blocks and sequences per pool, leases (made once per
+        tenant: every step and Sync payload carries them; callers do not change it)."""
+        q = self._quota_of.get(tenant)
+        if q is None:
+            s = self.settings
+            q = {"blocks": s.quota_blocks, "sequences": s.quota_sequences, "leases": s.quota_leases,
+                 **self._tenant_quotas.get(tenant, {})}
+            if len(self._quota_of) >= 100_000:
+                self._quota_of.clear()
+            self._quota_of[tenant] = q
         return q
 
     async def _check_lease(self, lease_id: str) -> None:
