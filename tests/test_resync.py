@@ -18,7 +18,7 @@ from kvservice import errors
 from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.client import Client
 
-from helpers import TEST_SETTINGS, ServerThread, audit, snapshot, stats
+from helpers import TEST_SETTINGS, ServerThread, audit, run_async, snapshot, stats
 
 BS = 4
 SETTINGS = TEST_SETTINGS.replace(reserve_share=0.05, reserve_min_blocks=4)
@@ -211,3 +211,105 @@ def test_a_resync_after_a_restart_from_an_aof_cut_back_by_its_last_second(tmp_pa
             assert stats(url, "p0")["num_used_blocks"] == 0
     finally:
         server.stop()
+
+
+def test_a_large_state_is_resynced_in_parts_and_kept(redis_url):
+    """A lease holding ~2,400 blocks: its resync runs in parts of bounded work (the calls
+    counted as the allocator makes them), keeps every sequence the pool can prove, and
+    leaves the pool consistent."""
+    rng = random.Random(5)
+    with ServerThread(redis_url, SETTINGS) as server:
+        with Client(server.target, tenant="setup") as admin:
+            admin.register_pool("p0", num_blocks=4096, block_size=BS)
+        calls: list[str] = []
+        server.store.observe = lambda name, seconds: calls.append(name)
+        a = Client(server.target, tenant="t1", local=True)
+        c = Client(server.target, tenant="t3", local=True)
+        try:
+            shared = _tokens(rng, 2 * BS)
+            seqs = [a.create(shared + _tokens(rng, 120 * BS - 2 * BS - 1), pool="p0") for _ in range(20)]
+            a.flush()
+            r = redis.Redis.from_url(redis_url)
+            dumped = dump(r)
+            for s in seqs:
+                s.append(_tokens(rng, 2 * BS))          # blocks from the reserve, then lost
+            new = [a.create(_tokens(rng, 40 * BS), pool="p0") for _ in range(2)]
+            a.flush()
+            del calls[:]
+            restore(r, dumped)
+            grab = [c.create(_tokens(rng, 60 * BS), pool="p0") for _ in range(4)]   # blocks the lost creates held
+            c.flush()
+            a.flush()
+            assert a.resync_count == 1
+            parts = calls.count("resync")
+            assert parts >= 5, calls        # 2,400 recorded blocks dropped, then 2,500 claimed, ~1,024 a part
+            lost = {s.id for s in a.lost_sequences()}
+            assert all(s.id not in lost and not s.freed for s in seqs)
+            assert {s.id for s in new} <= lost
+            check_holdings(redis_url, "p0", [a, c])
+            assert audit(redis_url) == []
+            assert not r.exists(f"kvs:{{p0}}:resync:{a.lease_id}")
+            assert not r.hexists("kvs:{p0}:state", f"resync:{a.lease_id}")
+            _work(rng, a, seqs, 3, shared)
+            for s in grab:
+                s.free()
+            a.flush(), c.flush()
+            check_holdings(redis_url, "p0", [a, c])
+            assert audit(redis_url) == []
+            print(f"resync of {sum(len(s.block_table) for s in seqs)} blocks in {parts} script calls")
+        finally:
+            a.close(), c.close()
+        assert audit(redis_url) == []
+        assert stats(redis_url, "p0")["num_used_blocks"] == 0
+
+
+def _part(lease: str, tenant: str, run: str, part: int) -> dict:
+    """A resync part as the allocator sends it (scripts/resync.lua), of one block's budget
+    and no claims: it drops one recorded sequence of the lease and stops there."""
+    return {"pool": "p0", "epoch": 1, "request_id": "", "fingerprint": "", "request_ttl_ms": 60_000,
+            "lease_id": lease, "tenant": tenant, "lease_deadline_ms": 0, "touch_deadline_ms": 0, "first_entry": 1,
+            "cap": 8, "run": run, "budget": 1, "total": 0, "part": part, "offset": 0, "claims": []}
+
+
+def test_while_a_lease_resyncs_nothing_else_of_it_runs_in_the_pool(served, redis_url):
+    """Between the parts of a resync the pool is consistent (the audit says so), the
+    lease's steps and Syncs there fail with RESYNC_IN_PROGRESS, another lease goes on, a
+    part of a superseded run fails, and a lease that dies mid-resync is reaped whole."""
+    from kvservice.allocator.domain import ReserveRequest
+
+    rng = random.Random(3)
+    b = Client(served.target, tenant="t2")
+    c = Client(served.target, tenant="t3")
+    try:
+        seqs = [b.create(_tokens(rng, 3 * BS + 1), pool="p0") for _ in range(3)]
+        lease = b.lease_id
+        r = redis.Redis.from_url(redis_url)
+        tenant = r.hget(f"kvs:{{L:{lease}}}", "tenant").decode()
+        reply = run_async(lambda a: a.store.resync(_part(lease, tenant, "run-1", 0)), redis_url)
+        assert reply["done"] is False
+        assert r.hget("kvs:{p0}:state", f"resync:{lease}") == b"run-1"
+        assert audit(redis_url) == []
+        assert len([n for n, rec in snapshot(redis_url, "p0")["seqs"].items() if rec["lease_id"] == lease]) == 2
+        with pytest.raises(errors.FailedPrecondition) as info:
+            b.step({seqs[0]: [1, 2, 3, 4]})
+        assert info.value.reason == "RESYNC_IN_PROGRESS" and "resynchronising" in str(info.value)
+        with pytest.raises(errors.FailedPrecondition) as info:
+            run_async(lambda a: a.sync(lease, [ReserveRequest("p0", 1, want_blocks=4)]), redis_url)
+        assert info.value.reason == "RESYNC_IN_PROGRESS"
+        other = c.create(_tokens(rng, 2 * BS), pool="p0")
+        c.step({other: [1, 2, 3]})
+        with pytest.raises(errors.FailedPrecondition) as info:
+            run_async(lambda a: a.store.resync(_part(lease, tenant, "run-0", 1)), redis_url)
+        assert info.value.reason == "RESYNC_SUPERSEDED"
+        b.close()            # revoked: the reaper frees what the lease holds, and ends the run
+        deadline = time.monotonic() + 10
+        while r.hexists("kvs:{p0}:state", f"resync:{lease}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not r.hexists("kvs:{p0}:state", f"resync:{lease}")
+        assert all(rec["lease_id"] != lease for rec in snapshot(redis_url, "p0")["seqs"].values())
+        assert audit(redis_url) == []
+        other.free()
+    finally:
+        b.close(), c.close()
+    assert audit(redis_url) == []
+    assert stats(redis_url, "p0")["num_used_blocks"] == 0

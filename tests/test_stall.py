@@ -1,6 +1,7 @@
 """Bounded work (docs/security.md, "Limits"): every script stalls Redis for every other
 caller while it runs, so the per-call limits keep the worst allowed call short; here a
-stream of such calls, from several clients at once, runs beside another tenant's lease of
+stream of such calls (creates, forks, frees, the largest resyncs), from several clients at
+once, runs beside another tenant's lease of
 2 s, which its keep-alives (every 2/3 s) must keep alive throughout. How long each worst
 call holds Redis is measured by ``kvservice limits`` (a bench, not a timed test)."""
 
@@ -14,6 +15,7 @@ import pytest
 from helpers import TEST_SETTINGS, ServerThread, audit
 from kvservice import errors
 from kvservice.client import Client
+from kvservice.v1 import allocator_pb2 as pb
 
 BS = 16
 S = TEST_SETTINGS
@@ -41,6 +43,29 @@ def _attack(target: str, stop: threading.Event, first: int, counts: dict[str, in
         failures.append(exc)
 
 
+def _resyncs(target: str, stop: threading.Event, counts: dict[str, int], failures: list) -> None:
+    """The largest resyncs, back to back: a lease holding max_journal_blocks blocks in
+    sequences of the longest table sends its whole state again and again (each one
+    dropped and claimed again, in parts of bounded work)."""
+    longest = min(S.max_blocks_per_call, S.max_sequence_blocks)
+    try:
+        with Client(target, tenant="resyncer", lease_ttl=30, local=True) as c:
+            seqs = [c.create(list(range(n * longest * BS, (n + 1) * longest * BS)), pool="stall")
+                    for n in range(1, 1 + min(S.max_journal_entries, S.max_journal_blocks // longest, 32))]
+            c.flush()
+            pj = c._journals["stall"]
+            request = pb.SyncRequest(lease_id=c.lease_id, pools=[pb.PoolSync(
+                pool_id="stall", epoch=pj.epoch, first_entry=pj.first_pending,
+                resync=pb.PoolResync(sequences=c._claims(pj)))])
+            while not stop.is_set():
+                reply = c.stub.Sync(request, timeout=60)
+                assert list(reply.pools[0].lost_sequences) == [], "a resync of an intact state lost sequences"
+                counts["resyncs"] = counts.get("resyncs", 0) + 1
+            counts["resync_blocks"] = sum(len(s.block_table) for s in seqs)
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        failures.append(exc)
+
+
 def test_another_tenants_2s_lease_survives_a_stream_of_worst_case_calls(redis_url):
     with ServerThread(redis_url, S) as server:
         with Client(server.target, tenant="admin") as admin:
@@ -59,6 +84,7 @@ def test_another_tenants_2s_lease_survives_a_stream_of_worst_case_calls(redis_ur
         failures: list = []
         attackers = [threading.Thread(target=_attack, args=(server.target, stop, 10**7 * (i + 1), counts, failures))
                      for i in range(3)]
+        attackers.append(threading.Thread(target=_resyncs, args=(server.target, stop, counts, failures)))
         for t in attackers:
             t.start()
         try:
@@ -71,7 +97,8 @@ def test_another_tenants_2s_lease_survives_a_stream_of_worst_case_calls(redis_ur
             for t in attackers:
                 t.join(60)
         assert not failures, failures
-        assert counts.get("rounds", 0) >= 3, counts      # (the stream did run)
+        print(f"stream: {counts}")
+        assert counts.get("rounds", 0) >= 3 and counts.get("resyncs", 0) >= 2, counts    # (the stream did run)
         # The victim's lease lived throughout: its keep-alives got through, its sequence is there.
         assert victim.lease_error is None
         assert victim.get(mine.id).num_tokens == 3 * BS

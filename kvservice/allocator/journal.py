@@ -172,6 +172,8 @@ def resync_payload(r: ReserveRequest, geo: Geometry) -> list[dict[str, Any]]:
 #: stalls Redis while it runs: about 40 µs per entry and a few per block, ~10 ms at most).
 SCRIPT_ENTRIES = 128
 SCRIPT_WORK = 1024
+#: A resync's part (``scripts/resync.lua``) drops or checks about this many blocks.
+RESYNC_WORK = 1024
 
 
 def journal_chunks(journal: dict[str, Any], block_size: int) -> list[tuple[int, dict[str, Any]]]:

@@ -11,7 +11,9 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``state``  hash: ``fresh`` (blocks at or above it were never used, hence free), ``clock``
   (LRU counter of the evictable set), ``version`` (raised by every script that changes the
   pool: the audit reads the pool in pieces and checks it read one state),
-  ``reclaim:<lease>`` (where the reaper's scan of an ended lease's reserve stopped)
+  ``reclaim:<lease>`` (where the reaper's scan of an ended lease's reserve stopped),
+  ``resync:<lease>`` (the run of a resync in parts under way: no other call of the lease
+  runs in the pool meanwhile)
 - ``free``   list of free block ids (below ``fresh``)
 - ``evict``  zset: evictable block id -> LRU clock (ref 0, still cached by hash)
 - ``ref``    hash: block id -> ref count, for referenced blocks only
@@ -39,7 +41,8 @@ Per request (same slot as its pool): ``kvs:{<pool>}:req:<request id>``, the fing
 of the request and its reply (``scripts/lib/request.lua``). Per lease:
 ``kvs:{L:<lease>}`` (tenant, TTL, deadline), ``kvs:{L:<lease>}:pools`` (where it holds
 sequences) and ``kvs:{L:<lease>}:place:<request id>`` (where a request's pool-less creates
-were placed). Per tenant: ``kvs:{T:<tenant>}:leases`` (zset lease id -> deadline: its
+were placed). Per lease and pool: ``kvs:{<pool>}:resync:<lease>``, the state of its
+resync in parts (``scripts/resync.lua``; expires). Per tenant: ``kvs:{T:<tenant>}:leases`` (zset lease id -> deadline: its
 live leases, kept while it has a lease quota). Global: ``kvs:pools`` (the registry of pool ids), ``kvs:pools:next`` (the
 counter of ``pool-<n>`` ids), ``kvs:pools:req:<request id>`` (the id a registration
 without a pool id got), ``kvs:exporter`` (the metrics exporter lease).
@@ -72,6 +75,12 @@ def pool_key(pool_id: str, name: str) -> str:
 def request_key(pool_id: str, request_id: str) -> str:
     """Idempotency record of one request in one pool (same slot as the pool)."""
     return f"{PREFIX}:{{{pool_id}}}:req:{request_id}"
+
+
+def resync_key(pool_id: str, lease_id: str) -> str:
+    """The state of a lease's resync in parts in one pool (same slot as its pool;
+    ``scripts/resync.lua``)."""
+    return f"{PREFIX}:{{{pool_id}}}:resync:{lease_id}"
 
 
 def pool_id_request_key(request_id: str) -> str:

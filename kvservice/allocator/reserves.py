@@ -6,13 +6,14 @@ allocator's store, settings, geometry cache and lease attachment.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 from kvservice import errors
 from kvservice.allocator.checks import MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint, lease_info
 from kvservice.allocator.codec import ScriptError
 from kvservice.allocator.domain import LeaseInfo, ReserveGrant, ReserveRequest
-from kvservice.allocator.journal import journal_chunks, journal_payload, resync_payload
+from kvservice.allocator.journal import RESYNC_WORK, journal_chunks, journal_payload, resync_payload
 
 
 class ReserveOps:
@@ -63,6 +64,10 @@ class ReserveOps:
             if r.resync is not None:
                 s = self.settings
                 blocks = sum(len(c.block_table) for c in r.resync)
+                longest = max((len(c.block_table) for c in r.resync), default=0)
+                if longest > s.max_sequence_blocks:
+                    raise errors.InvalidArgument(f"pool {r.pool_id}: a resync claims a sequence of {longest} blocks, "
+                                                 f"at most {s.max_sequence_blocks} (max_sequence_blocks)")
                 if len(r.resync) > s.max_journal_entries or blocks > s.max_journal_blocks:
                     raise errors.InvalidArgument(
                         f"pool {r.pool_id}: a resync of {len(r.resync)} sequences and {blocks} blocks, at most "
@@ -94,8 +99,8 @@ class ReserveOps:
                        if request_id else "",
                        "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "tenant": tenant,
                        "lease_deadline_ms": deadline, "touch_deadline_ms": touch_ms, "first_entry": r.first_entry,
-                       "cap": cap, "claims": entries}
-            reply = await self._attached(lease_id, r.pool_id, payload, self.store.resync)
+                       "cap": cap, "run": secrets.token_hex(8), "budget": RESYNC_WORK, "total": len(entries)}
+            reply = await self._resync_parts(lease_id, r.pool_id, payload, entries)
             return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
                                 lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
                                 resynced=True)
@@ -139,6 +144,22 @@ class ReserveOps:
         return ReserveGrant(r.pool_id, last["epoch"], granted, last["num_reserved"], last["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"],
                             quota=quota, quota_limit=last["quota_limit"] if last["quota"] else reply["quota_limit"])
+
+    async def _resync_parts(self, lease_id: str, pool_id: str, payload: dict[str, Any],
+                            claims: list[dict[str, Any]]) -> dict[str, Any]:
+        """A resync, in script calls of bounded work (``scripts/resync.lua``): each part
+        gets the claims from the one the run wants next, about a part's work of them."""
+        part, offset = 0, 0
+        while True:
+            end, work = offset, 0
+            while end < len(claims) and (end == offset or work + len(claims[end]["tab"]) <= RESYNC_WORK):
+                work += 1 + len(claims[end]["tab"])
+                end += 1
+            reply = await self._attached(lease_id, pool_id, {**payload, "part": part, "offset": offset,
+                                                             "claims": claims[offset:end]}, self.store.resync)
+            if reply["done"]:
+                return reply
+            part, offset = part + 1, reply["next"]
 
     async def _attached(self, lease_id: str, pool_id: str, payload: dict[str, Any], call: Any) -> dict[str, Any]:
         """A Sync script call; once more after attaching the lease again when the pool no

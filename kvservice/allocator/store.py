@@ -160,8 +160,10 @@ class Store:
                                 internal=(LEASE_UNKNOWN,))
 
     async def resync(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """A lease's whole state in one pool, after the pool lost writes (``resync.lua``)."""
-        return await self._call("resync", self._pool_args(payload["pool"], payload["request_id"]), payload,
+        """One part of a lease's resync in one pool, after the pool lost writes (``resync.lua``)."""
+        pool_id = payload["pool"]
+        return await self._call("resync", self._pool_args(pool_id, payload["request_id"])
+                                + [keys.resync_key(pool_id, payload["lease_id"])], payload,
                                 internal=(LEASE_UNKNOWN,))
 
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,

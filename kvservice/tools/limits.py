@@ -243,7 +243,8 @@ async def _journals(a: Any, s: Any, row: Callable[..., Awaitable[Any]], bs: int,
 async def _resync(a: Any, s: Any, row: Callable[..., Awaitable[Any]], bs: int, epoch: int,
                   tokens_from: Callable[[int], tuple[int, ...]]) -> None:
     """The resync row: leases holding the most a resync may claim (sequences of at most
-    max_blocks_per_call blocks, max_journal_blocks in all), each resynced whole."""
+    max_blocks_per_call blocks, max_journal_blocks in all), each resynced whole (in script
+    calls of bounded work: the median and the largest of all of them)."""
     from kvservice.allocator.domain import Create, ReserveRequest, SequenceClaim, parse_sequence_id
 
     longest = min(s.max_sequence_blocks, s.max_blocks_per_call)
@@ -259,7 +260,7 @@ async def _resync(a: Any, s: Any, row: Callable[..., Awaitable[Any]], bs: int, e
                                         seq.num_committed_blocks, seq.last_hash, b"".join(seq.block_hashes),
                                         seq.num_cached_tokens))
         leases.append((lease, tuple(claims)))
-    await row("resync", f"a resync claiming {count} sequences of {longest} blocks ({count * longest:,} in all)",
+    await row("resync", f"a resync of {count} sequences of {longest} blocks ({count * longest:,}; in parts)",
               lambda i: a.sync(leases[i][0], [ReserveRequest("limits", epoch, first_entry=1, resync=leases[i][1])]))
 
 

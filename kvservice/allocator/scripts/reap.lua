@@ -75,6 +75,7 @@ for _, lease in ipairs(expired) do
       redis.call('ZREM', K_LEASES, lease)
       nleases = nleases + 1
       redis.call('HDEL', K_JOURNAL, lease)
+      redis.call('HDEL', K_STATE, 'resync:' .. lease)   -- (a resync it left unfinished)
       held_drop(lease)
     else
       held_write(held_load(lease), -got, 0)

@@ -4,211 +4,295 @@
 --- that lagged). The pool keeps what it can prove is the lease's and reports the rest
 --- lost; the lease's journal then continues from first_entry.
 ---
---- Each claimed sequence is checked block by block against who holds what now. A block is
---- kept when it is the lease's alone (in the lease's reserve, or in one of the lease's
---- recorded tables, and no other lease references it), or when it is a full committed
---- block whose hash in the pool is the one the client sends (content-addressed, shared
---- read-only; an evictable one is revived). Anything else (a free block: it may have been
---- handed out and written since; another lease's block; a block under another hash) makes
---- the sequence lost, as does a sequence number the pool may have given to another lease
---- (recorded for another lease, or absent but not above the pool's last granted number).
---- So no writable block is ever in two leases' tables. The lease's recorded sequences
---- that are not claimed (freed in the lost writes) or lost are dropped; reference counts
---- become the other leases' plus the kept tables'; the commits of kept blocks that the pool
---- lost are registered again (unless the hash is held by another block: then the block
---- stays unhashed, as a duplicate); the lease's reserve is what the pool has in it, minus
---- the blocks the kept tables hold.
+--- A resync runs in parts, each one call of bounded work (about ``budget`` blocks), so
+--- that no call stalls Redis however much the lease holds; every part leaves the pool
+--- consistent (counts, records, reserves, holdings). From the first part to the last, the
+--- lease's records in the pool are the resync's alone: K_STATE "resync:<lease>" names the
+--- run, and every other call of the lease there fails (lib/pool, lease_in_pool). The
+--- run's own state is K_RUN (KEYS[18], a hash: run, stage, next, lost, "n<number>" for
+--- the lease's recorded sequences, "b<block>" for blocks it took from the reserve), which
+--- expires after request_ttl_ms. The pool's counters see the lease's recorded sequences
+--- freed and its kept claims created. Stages:
+---   drop     the lease's recorded sequences are dropped (as a free, last block first),
+---            except that a block whose count reaches 0 and has no hash joins the lease's
+---            reserve: the lease's alone, it waits for a claim;
+---   claims   each claim is checked block by block against who holds what now. A block
+---            is kept when it is the lease's alone (in its reserve, or taken from it by
+---            an earlier claim of this run) and has no hash, or when it is a full
+---            committed block whose hash in the pool is the one the client sends
+---            (content-addressed, shared read-only; an evictable one is revived).
+---            Anything else (a free block: it may have been handed out and written since;
+---            another lease's block; a block under another hash) makes the sequence lost,
+---            as does a sequence number the pool may have given to another lease (held
+---            now, or never the lease's and not above the pool's last granted number).
+---            So no writable block is ever in two leases' tables. A kept claim is
+---            recorded as the client holds it, and the commits of its blocks that the pool
+---            lost are registered again (unless the hash is held by another block: the
+---            block stays unhashed, as a duplicate);
+---   reclaim  the lease's reserve goes back to the free list (the next Sync refills it);
+---   finish   the journal continues from first_entry; the run ends.
+--- The first part (part 0) starts a run afresh, ending any earlier one of the lease
+--- (whose parts then fail with RESYNC_SUPERSEDED); each later part continues the run it
+--- names. The caller sends the claims in slices: ``offset`` is the index of the slice's
+--- first claim, which must be the run's next (else the reply only says which is next).
 ---
---- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
+--- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key;
+--- KEYS[18]: the run's key (keys.resync_key).
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
----   lease_id, tenant (the lease's, for lib/held), lease_deadline_ms (0: attached to the pool already), touch_deadline_ms (the
----   lease's deadline after the Sync's keep-alive, raised here as lease_touch does; 0: none), first_entry, cap,
----   claims = [{n, t (num_tokens), tab = [block ids], c (committed blocks), h (the last
----   hash, hex), hs = [the hash hex of each committed block], k (cached tokens)}]}
---- Returns msgpack {epoch, applied (first_entry - 1), lost = [sequence numbers],
----   reserve = [the lease's reserved blocks], cap}; or an error (lib/codec): NOT_FOUND,
----   FAILED_PRECONDITION (reasons EPOCH_CHANGED, LEASE_EXPIRED), and the internal
+---   lease_id, tenant (the lease's, for lib/held), lease_deadline_ms (0: attached to the
+---   pool already), touch_deadline_ms (the lease's deadline after the Sync's keep-alive,
+---   raised here as lease_touch does; 0: none), first_entry, cap, run (the run's id),
+---   part (0: the first), budget (blocks of work per part), total (claims in all),
+---   offset, claims = [{n, t (num_tokens), tab = [block ids], c (committed blocks), h (the
+---   last hash, hex), hs = [the hash hex of each committed block], k (cached tokens)}]}
+--- Returns msgpack {epoch, done = false, next (the index of the next claim to send)} while
+---   the run goes on; {epoch, done = true, applied (first_entry - 1), lost = [sequence
+---   numbers], reserve = [] (the lease's reserve, given back), cap} when it is done (kept
+---   under the request id); or an error (lib/codec): NOT_FOUND, FAILED_PRECONDITION
+---   (reasons EPOCH_CHANGED, LEASE_EXPIRED, RESYNC_SUPERSEDED), and the internal
 ---   LEASE_UNKNOWN.
 --- @include "lib/request"
 --- @include "lib/refs"
 --- @include "lib/reserve"
 --- @include "lib/held"
 
-local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
+local K_REQUEST, K_RUN = KEYS[NUM_POOL_KEYS + 1], KEYS[NUM_POOL_KEYS + 2]
 local p = args()
 touch_lease(p)
 local prev = replay(K_REQUEST, p)
 if prev then return prev end
 local lease = p.lease_id
+local MARK = 'resync:' .. lease
 
-local function field_of(n)
-  return string.format('%d', n)
-end
-
-local function add_block(list, seen, b)
-  if not seen[b] then seen[b] = true; list[#list + 1] = b end
-end
-
-local ok, plan = guarded(function()
-  local epoch, _, bs, attach = check_sync_target(p)
-  -- What the pool says the lease holds: its records (and their references) and its reserve.
-  local members = redis.call('ZRANGEBYLEX', K_LSEQ, '[' .. lease .. ':', '(' .. lease .. ';')
-  local old, old_fields, old_refs = {}, {}, {}
-  for i, m in ipairs(members) do old_fields[i] = string.sub(m, #lease + 2) end
-  if #old_fields > 0 then
-    local metas, tabs = hmget_chunked(K_SEQS, old_fields), hmget_chunked(K_TABS, old_fields)
-    for i, f in ipairs(old_fields) do
-      if metas[i] then
-        local blocks = rec_blocks(load_rec(metas[i], tabs[i]))
-        old[f] = blocks
-        for _, b in ipairs(blocks) do old_refs[b] = (old_refs[b] or 0) + 1 end
-      end
-    end
+local ok, epoch = guarded(function()
+  local epoch, _, _, attach = check_sync_target(p, true)
+  if p.part > 0 and (redis.call('HGET', K_STATE, MARK) ~= p.run or redis.call('HGET', K_RUN, 'run') ~= p.run) then
+    bad('FAILED_PRECONDITION', 'the resync of lease ' .. lease .. ' in pool ' .. p.pool .. ' was superseded by ' ..
+      'another one, or its parts came too far apart; start it again', {reason = 'RESYNC_SUPERSEDED'})
   end
-  local reserved = {}
-  local all = redis.call('HGETALL', K_RESERVE)
-  for i = 1, #all, 2 do
-    if all[i + 1] == lease then reserved[tonumber(all[i])] = true end
-  end
-  -- The counts and hashes of every block claimed or held by the lease's records, and who
-  -- holds the claimed sequence numbers.
-  local blocks, seen = {}, {}
-  for _, c in ipairs(p.claims) do
-    for _, b in ipairs(c.tab) do add_block(blocks, seen, b) end
-  end
-  for b in pairs(old_refs) do add_block(blocks, seen, b) end
-  local bfields = {}
-  for i, b in ipairs(blocks) do bfields[i] = D[b] or dec(b) end
-  local cnt, hash_of = {}, {}
-  if #bfields > 0 then
-    local rs, hs = hmget_chunked(K_REF, bfields), hmget_chunked(K_B2H, bfields)
-    for i, b in ipairs(blocks) do cnt[b] = tonumber(rs[i]) or 0; hash_of[b] = hs[i] or false end
-  end
-  local nfields = {}
-  for i, c in ipairs(p.claims) do nfields[i] = field_of(c.n) end
-  local holders = hmget_chunked(K_SEQS, nfields)
-  local next_seq = tonumber(redis.call('HGET', K_META, 'next_seq')) or 0
-
-  -- Which claims hold.
-  local kept, lost, kept_fields = {}, {}, {}
-  for i, c in ipairs(p.claims) do
-    local f = nfields[i]
-    local mine = old[f]
-    local ok_seq = not kept_fields[f] and (mine ~= nil or (holders[i] == false and c.n > next_seq))
-    if ok_seq and holders[i] and not mine then ok_seq = false end   -- another lease's number
-    if ok_seq then
-      for j, b in ipairs(c.tab) do
-        local others = math.max(0, cnt[b] - (old_refs[b] or 0))
-        local h = hash_of[b]
-        local committed = j <= c.c
-        local good
-        if others == 0 and ((old_refs[b] or 0) > 0 or reserved[b]) then
-          good = not h or (committed and h == c.hs[j])      -- the lease's block, same content
-        else
-          good = committed and h and h == c.hs[j]           -- shared read-only, or evictable
-        end
-        if not good then ok_seq = false; break end
-      end
-    end
-    if ok_seq then
-      kept[#kept + 1] = c
-      kept_fields[f] = true
-    else
-      lost[#lost + 1] = c.n
-    end
-  end
-  return {epoch = epoch, bs = bs, attach = attach, old = old, old_refs = old_refs, reserved = reserved,
-          cnt = cnt, hash_of = hash_of, kept = kept, kept_fields = kept_fields, lost = lost, next_seq = next_seq}
+  if attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+  return epoch
 end)
-if not ok then return plan end
+if not ok then return epoch end
 
--- The new counts: the other leases' references plus the kept tables'.
-local new_refs = {}
-for _, c in ipairs(plan.kept) do
-  for _, b in ipairs(c.tab) do new_refs[b] = (new_refs[b] or 0) + 1 end
+if p.part == 0 then
+  redis.call('DEL', K_RUN)
+  redis.call('HSET', K_RUN, 'run', p.run, 'stage', 'drop', 'next', 0, 'lost', '')
+  redis.call('HSET', K_STATE, MARK, p.run)
 end
-local touched = {}
-for b in pairs(plan.old_refs) do touched[b] = true end
-for b in pairs(new_refs) do touched[b] = true end
-local w = changes()
-for b in pairs(touched) do
-  local s = D[b] or dec(b)
-  local before = plan.cnt[b]
-  local after = before - (plan.old_refs[b] or 0) + (new_refs[b] or 0)
-  if after > 0 then
-    if after ~= before then w.set_ref[#w.set_ref + 1] = s; w.set_ref[#w.set_ref + 1] = D[after] or dec(after) end
-    if plan.reserved[b] then w.unreserve[#w.unreserve + 1] = s; plan.reserved[b] = nil end
-    if before == 0 and plan.hash_of[b] then w.revive[#w.revive + 1] = s end
-  elseif before > 0 then
-    w.del_ref[#w.del_ref + 1] = s
-    park(w, s, plan.hash_of[b])
-  end
-end
-write_changes(w)
+redis.call('PEXPIRE', K_RUN, p.request_ttl_ms)
 
--- The commits the pool lost: registered again where the hash is free.
-local reg_b, reg_h = {}, {}
-for _, c in ipairs(plan.kept) do
-  for j = 1, c.c do
-    local b = c.tab[j]
-    if not plan.hash_of[b] and not reg_b[b] then reg_b[b] = true; reg_h[#reg_h + 1] = {c.hs[j], b} end
+local budget = p.budget
+local held = held_load(lease, p.tenant)
+local applied, reserved = lease_progress(lease)
+local stats = {}
+
+-- Drops recorded sequences of the lease, about ``budget`` blocks of them (one at least);
+-- returns the work done and whether none is left.
+local function drop()
+  local members = redis.call('ZRANGEBYLEX', K_LSEQ, '[' .. lease .. ':', '(' .. lease .. ';', 'LIMIT', 0, 64)
+  if #members == 0 then return 1, true end
+  local ns = {}
+  for i, m in ipairs(members) do ns[i] = string.sub(m, #lease + 2) end
+  local metas, tabs = hmget_chunked(K_SEQS, ns), hmget_chunked(K_TABS, ns)
+  local recs, blocks, del, lseq_del, olds, work = {}, {}, {}, {}, {}, 0
+  for i, f in ipairs(ns) do
+    local nb = metas[i] and #(tabs[i] or '') / W or 0
+    if #lseq_del > 0 and work + nb > budget then break end
+    lseq_del[#lseq_del + 1] = members[i]
+    if metas[i] then
+      local rec = load_rec(metas[i], tabs[i])
+      recs[#recs + 1] = rec
+      for _, b in ipairs(rec_blocks(rec)) do blocks[#blocks + 1] = b end
+      del[#del + 1] = f
+      olds[#olds + 1] = 'n' .. f; olds[#olds + 1] = 1
+    end
+    work = work + 1 + nb
   end
-end
-if #reg_h > 0 then
-  local hs = {}
-  for i, x in ipairs(reg_h) do hs[i] = x[1] end
-  local got = hmget_chunked(K_H2B, hs)
-  local h2b, b2h, taken = {}, {}, {}
-  for i, x in ipairs(reg_h) do
-    if not got[i] and not taken[x[1]] then
-      taken[x[1]] = true
-      local s = D[x[2]] or dec(x[2])
-      h2b[#h2b + 1] = x[1]; h2b[#h2b + 1] = s
-      b2h[#b2h + 1] = s; b2h[#b2h + 1] = x[1]
+  load_refs(blocks)
+  for _, rec in ipairs(recs) do release(rec) end
+  -- Counts that reach 0: hashed blocks to the evictable set, the others to the reserve.
+  local w = changes()
+  local zb, zf = zeroed()
+  local hashed = {}
+  if #zf > 0 then
+    local hs = hmget_chunked(K_B2H, zf)
+    for i, b in ipairs(zb) do hashed[b] = hs[i] and true or false end
+  end
+  for b, r in pairs(refs) do
+    local s = D[b] or dec(b)
+    if r > 0 then
+      if r ~= orig[b] then w.set_ref[#w.set_ref + 1] = s; w.set_ref[#w.set_ref + 1] = D[r] or dec(r) end
+    else
+      w.del_ref[#w.del_ref + 1] = s
+      if hashed[b] then
+        park(w, s, true)
+      else
+        w.reserve_add[#w.reserve_add + 1] = s; w.reserve_add[#w.reserve_add + 1] = lease
+        reserved = reserved + 1
+      end
     end
   end
-  write_hashes(h2b, b2h)
+  write_changes(w)
+  write_records({}, {}, del, {}, lseq_del)
+  if #olds > 0 then call_chunked('HSET', K_RUN, olds, 2) end
+  held_write(held, #w.reserve_add / 2 - #blocks, -#recs)
+  stats.sequences_freed = #recs
+  return work, #members == #lseq_del and #members < 64
 end
 
--- The records: the kept claims as the client holds them; the lease's others dropped.
-local put_meta, put_tab, del, lseq_add, lseq_del = {}, {}, {}, {}, {}
-local created, freed, top = 0, 0, plan.next_seq
-for _, c in ipairs(plan.kept) do
-  local f = field_of(c.n)
-  put_meta[#put_meta + 1] = f
-  put_meta[#put_meta + 1] = meta_string({l = lease, t = c.t, c = c.c, k = c.k, h = c.h})
-  put_tab[#put_tab + 1] = f; put_tab[#put_tab + 1] = hexids(c.tab)
-  if not plan.old[f] then
-    lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. f
-    created = created + 1
-    if c.n > top then top = c.n end
+-- Checks and records the claims of the slice from the run's next one, about ``left``
+-- blocks of them (one at least); returns the work done and the index of the next claim.
+local function claims(next, left)
+  if p.offset ~= next then return 1, next end
+  local todo, work = {}, 0
+  for _, c in ipairs(p.claims) do
+    if #todo > 0 and work + #c.tab > left then break end
+    todo[#todo + 1] = c
+    work = work + 1 + #c.tab
   end
-end
-for f in pairs(plan.old) do
-  if not plan.kept_fields[f] then
-    del[#del + 1] = f
-    lseq_del[#lseq_del + 1] = lease .. ':' .. f
-    freed = freed + 1
+  if #todo == 0 then return 1, next end
+  -- Who holds what now: counts, hashes, the reserve, blocks the run took; the numbers.
+  local blocks, bf = {}, {}
+  local cnt = {}
+  for _, c in ipairs(todo) do
+    for _, b in ipairs(c.tab) do
+      if cnt[b] == nil then cnt[b] = 0; blocks[#blocks + 1] = b; bf[#bf + 1] = D[b] or dec(b) end
+    end
   end
+  local rs, hs, res = hmget_chunked(K_REF, bf), hmget_chunked(K_B2H, bf), hmget_chunked(K_RESERVE, bf)
+  local tf = {}
+  for i, s in ipairs(bf) do tf[i] = 'b' .. s end
+  local tk = hmget_chunked(K_RUN, tf)
+  local hash_of, in_reserve, mine = {}, {}, {}
+  for i, b in ipairs(blocks) do
+    cnt[b] = tonumber(rs[i]) or 0
+    hash_of[b] = hs[i] or false
+    in_reserve[b] = res[i] == lease
+    mine[b] = in_reserve[b] or tk[i] ~= false
+  end
+  local nf, of = {}, {}
+  for i, c in ipairs(todo) do nf[i] = string.format('%d', c.n); of[i] = 'n' .. nf[i] end
+  local holders, old = hmget_chunked(K_SEQS, nf), hmget_chunked(K_RUN, of)
+  local next_seq = tonumber(redis.call('HGET', K_META, 'next_seq')) or 0
+  local top = next_seq
+  local w = changes()
+  local took, counted = {}, {}
+  local put_meta, put_tab, lseq_add, lost = {}, {}, {}, {}
+  local reg_b, reg_h = {}, {}
+  local kept, nrefs = 0, 0
+  for i, c in ipairs(todo) do
+    local good = holders[i] == false and (old[i] ~= false or c.n > next_seq)
+    if good then
+      for j, b in ipairs(c.tab) do
+        local h = hash_of[b]
+        if h then
+          good = j <= c.c and h == c.hs[j]       -- shared read-only, or evictable
+        else
+          good = mine[b]                          -- the lease's alone
+        end
+        if not good then break end
+      end
+    end
+    if good then
+      for j, b in ipairs(c.tab) do
+        local s = D[b] or dec(b)
+        if cnt[b] == 0 then
+          if hash_of[b] then
+            w.revive[#w.revive + 1] = s
+          elseif in_reserve[b] then
+            in_reserve[b] = false
+            w.unreserve[#w.unreserve + 1] = s
+            took[#took + 1] = 'b' .. s; took[#took + 1] = 1
+          end
+        end
+        cnt[b] = cnt[b] + 1
+        counted[b] = true
+        if j <= c.c and not hash_of[b] and not reg_b[b] then reg_b[b] = true; reg_h[#reg_h + 1] = {c.hs[j], b} end
+      end
+      put_meta[#put_meta + 1] = nf[i]
+      put_meta[#put_meta + 1] = meta_string({l = lease, t = c.t, c = c.c, k = c.k, h = c.h})
+      put_tab[#put_tab + 1] = nf[i]; put_tab[#put_tab + 1] = hexids(c.tab)
+      lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. nf[i]
+      kept, nrefs = kept + 1, nrefs + #c.tab
+      if c.n > top then top = c.n end
+    else
+      lost[#lost + 1] = nf[i]
+    end
+  end
+  for b in pairs(counted) do
+    w.set_ref[#w.set_ref + 1] = D[b] or dec(b); w.set_ref[#w.set_ref + 1] = D[cnt[b]] or dec(cnt[b])
+  end
+  write_changes(w)
+  reserved = reserved - #w.unreserve
+  -- (a block the run took stays the lease's while it has no hash: for the claims after)
+  if #took > 0 then call_chunked('HSET', K_RUN, took, 2) end
+  -- The commits the pool lost: registered again where the hash is free.
+  if #reg_h > 0 then
+    local want = {}
+    for k, x in ipairs(reg_h) do want[k] = x[1] end
+    local got = hmget_chunked(K_H2B, want)
+    local h2b, b2h, dup = {}, {}, {}
+    for k, x in ipairs(reg_h) do
+      if not got[k] and not dup[x[1]] then
+        dup[x[1]] = true
+        local s = D[x[2]] or dec(x[2])
+        h2b[#h2b + 1] = x[1]; h2b[#h2b + 1] = s
+        b2h[#b2h + 1] = s; b2h[#b2h + 1] = x[1]
+      end
+    end
+    write_hashes(h2b, b2h)
+  end
+  write_records(put_meta, put_tab, {}, lseq_add, {})
+  if top > next_seq then redis.call('HSET', K_META, 'next_seq', top) end
+  if #lost > 0 then
+    local was = redis.call('HGET', K_RUN, 'lost') or ''
+    redis.call('HSET', K_RUN, 'lost', was .. table.concat(lost, ' ') .. ' ')
+  end
+  held_write(held, nrefs - #w.unreserve, kept)
+  stats.sequences_lost = #lost
+  stats.sequences_created = kept
+  return work, next + #todo
 end
-write_records(put_meta, put_tab, del, lseq_add, lseq_del)
-if top > plan.next_seq then redis.call('HSET', K_META, 'next_seq', top) end
 
-local reserve = {}
-for b in pairs(plan.reserved) do reserve[#reserve + 1] = b end
-table.sort(reserve)
-set_lease_progress(lease, p.first_entry - 1, #reserve)
--- Its holdings, counted again: the kept tables and the reserve; the sequence numbers it
--- was granted and has not used stay counted.
-local h = held_load(lease, p.tenant)
-local nblocks, nold = #reserve, 0
-for _, c in ipairs(plan.kept) do nblocks = nblocks + #c.tab end
-for _ in pairs(plan.old) do nold = nold + 1 end
-local nseqs = #plan.kept + math.max(0, h.ls - nold)
-held_write(h, nblocks - h.lb, nseqs - h.ls)
-if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+-- ------------------------------------------------------------------ the part
+
+local stage = redis.call('HGET', K_RUN, 'stage')
+local next = tonumber(redis.call('HGET', K_RUN, 'next'))
+local left = budget
+if stage == 'drop' then
+  local work, done = drop()
+  left = left - work
+  if done then stage = 'claims' end
+end
+if stage == 'claims' and left > 0 then
+  if next < p.total then
+    local work
+    work, next = claims(next, left)
+    left = left - work
+  end
+  if next >= p.total then stage = 'reclaim' end
+end
+if stage == 'reclaim' and left > 0 then
+  set_lease_progress(lease, applied, reserved)
+  local got, done = reclaim_reserve(lease, math.max(256, left))
+  reserved = reserved - got
+  held_write(held, -got, 0)
+  if done then stage = 'finish' end
+end
 changed()
-incr_stats({journal_resyncs = 1, sequences_lost = #plan.lost, sequences_created = created,
-            sequences_freed = freed})
-return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = p.first_entry - 1, lost = plan.lost,
-                                    reserve = reserve, cap = p.cap}))
+if stage ~= 'finish' then
+  set_lease_progress(lease, applied, reserved)
+  redis.call('HSET', K_RUN, 'stage', stage, 'next', next)
+  incr_stats(stats)
+  return reply({epoch = epoch, done = false, next = next})
+end
+set_lease_progress(lease, p.first_entry - 1, 0)
+local lost = {}
+for n in string.gmatch(redis.call('HGET', K_RUN, 'lost') or '', '%d+') do lost[#lost + 1] = tonumber(n) end
+redis.call('HDEL', K_STATE, MARK)
+redis.call('DEL', K_RUN)
+stats.journal_resyncs = 1
+incr_stats(stats)
+return remember(K_REQUEST, p, reply({epoch = epoch, done = true, applied = p.first_entry - 1, lost = lost,
+                                    reserve = {}, cap = p.cap}))

@@ -18,10 +18,19 @@ end
 -- already (false). A lease the pool does not know is attached when ``attachable``, with
 -- the deadline the caller read from the lease's own record (0: none read: the internal
 -- LEASE_UNKNOWN asks the caller to attach it first). LEASE_EXPIRED for a lease that the
--- pool saw expire or be revoked, or whose deadline has passed.
-local function lease_in_pool(pool, lease, deadline_ms, now, attachable)
+-- pool saw expire or be revoked, or whose deadline has passed. While the lease resyncs
+-- in parts (K_STATE "resync:<lease>", scripts/resync.lua) its records are the resync's
+-- alone: any other call of it fails (FAILED_PRECONDITION, reason RESYNC_IN_PROGRESS),
+-- unless ``resyncing`` (the resync's own parts).
+local function lease_in_pool(pool, lease, deadline_ms, now, attachable, resyncing)
   local deadline = tonumber(redis.call('ZSCORE', K_LEASES, lease))
-  if deadline and deadline > now then return false end
+  if deadline and deadline > now then
+    if not resyncing and redis.call('HEXISTS', K_STATE, 'resync:' .. lease) == 1 then
+      bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' is resynchronising its state in pool ' .. pool ..
+        '; nothing else of it runs there until the resync is done', {reason = 'RESYNC_IN_PROGRESS'})
+    end
+    return false
+  end
   if deadline or redis.call('ZSCORE', K_DEAD, lease) then
     bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired or was revoked; its sequences were freed',
       {reason = 'LEASE_EXPIRED'})

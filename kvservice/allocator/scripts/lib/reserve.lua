@@ -53,14 +53,14 @@ end
 
 -- Checks a Sync's pool part (p: pool, epoch, lease_id, lease_deadline_ms): the epoch and
 -- the lease. Returns the pool's epoch, num_blocks, block_size and whether the lease must
--- be attached to the pool.
-local function check_sync_target(p)
+-- be attached to the pool (``resyncing``: see lease_in_pool).
+local function check_sync_target(p, resyncing)
   local epoch, num_blocks, bs = pool_meta(p.pool)
   if p.epoch ~= epoch then
     bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' is at epoch ' .. epoch .. ', not ' ..
       string.format('%d', p.epoch) .. ' (re-registered since)', {reason = 'EPOCH_CHANGED', epoch = epoch})
   end
-  local attach = lease_in_pool(p.pool, p.lease_id, p.lease_deadline_ms, now_ms(), true)
+  local attach = lease_in_pool(p.pool, p.lease_id, p.lease_deadline_ms, now_ms(), true, resyncing)
   return epoch, num_blocks, bs, attach
 end
 
