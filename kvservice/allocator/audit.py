@@ -57,9 +57,12 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     # The blocks from the fresh mark on were never used: free by construction. They are
     # checked as one range (a pool of 2^24 blocks, mostly unused, costs what its used part
     # costs); the sets below hold blocks of 0..fresh-1 only.
+    # (The checks run in a thread beside the serving event loop: they stay in Python-level
+    # loops and small set operations, which let the loop take the interpreter lock every
+    # few ms, rather than single C-level operations over a whole large set.)
     free = set(free_list)
     evictable = {b for b, _ in snap["evict"]}
-    referenced = set(snap["ref"])
+    referenced = snap["ref"].keys()
     reserved = {b for _, b in snap["reserve"]}
     counted = Counter(lease for lease, _ in snap["reserve"])
     for lease in sorted(set(counted) | set(snap["journal"])):
@@ -76,12 +79,18 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
         if unused:
             bad(f"blocks both free and {name} (never used: at or past the fresh mark {fresh}): {sorted(unused)[:10]}")
     groups = (("free", free), ("evictable", evictable), ("referenced", referenced), ("reserved", reserved))
+    overlaps = False
     for i, (n1, g1) in enumerate(groups):
         for n2, g2 in groups[i + 1:]:
-            both = g1 & g2
+            small, large = (g1, g2) if len(g1) <= len(g2) else (g2, g1)
+            both = [b for b in small if b in large]
             if both:
+                overlaps = True
                 bad(f"blocks both {n1} and {n2}: {sorted(both)[:10]}")
-    accounted = sum(1 for b in free | evictable | referenced | reserved if 0 <= b < fresh)
+    # (disjoint groups: the blocks they account for are the sum of their sizes in range)
+    accounted = sum(1 for _, g in groups for b in g if 0 <= b < fresh)
+    if overlaps:
+        accounted = sum(1 for b in range(fresh) if b in free or b in evictable or b in referenced or b in reserved)
     if accounted != fresh:
         missing = (b for b in range(fresh) if b not in free and b not in evictable and b not in referenced
                    and b not in reserved)
@@ -98,9 +107,12 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             bad(f"sequence {n}: {c} committed blocks but only {t // bs} full")
         if len(set(table)) != len(table):
             bad(f"sequence {n}: a block appears twice in its table")
-    for b in referenced | set(holders):
-        if snap["ref"].get(b, 0) != holders.get(b, 0):
-            bad(f"block {b}: ref {snap['ref'].get(b, 0)} but held by {holders.get(b, 0)} block tables")
+    for b, r in snap["ref"].items():
+        if r != holders.get(b, 0):
+            bad(f"block {b}: ref {r} but held by {holders.get(b, 0)} block tables")
+    for b, n in holders.items():
+        if b not in snap["ref"]:
+            bad(f"block {b}: ref 0 but held by {n} block tables")
     for b, r in snap["ref"].items():
         if r <= 0:
             bad(f"block {b} has ref {r} in the ref map")

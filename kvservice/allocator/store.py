@@ -167,7 +167,7 @@ class Store:
                                 internal=(LEASE_UNKNOWN,))
 
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,
-                   max_seqs: int = 128, max_blocks: int = 1024, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
+                   max_seqs: int = 128, max_blocks: int = 512, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
         return await self._call("reap", keys.pool_keys(pool_id),
                                 {"pool": pool_id, "force_lease": force_lease, "max_leases": max_leases,
                                  "max_seqs": max_seqs, "max_blocks": max_blocks, "tombstone_ms": tombstone_ms})
