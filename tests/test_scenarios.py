@@ -80,7 +80,7 @@ def test_lru_eviction_takes_least_recently_freed_first_and_a_chains_tail_before_
     a.free()
     b.free()
     snap = snapshot(server.redis_url, "tiny")
-    order = [blk for blk, _ in sorted(snap["evict"], key=lambda x: x[1])]
+    order = [blk for blk, _ in sorted(snap["evict"].items(), key=lambda x: x[1])]
     assert order == [a_full[1], a_full[0], b_full[1], b_full[0]]
     # Free list: the two partial blocks; the third new block must evict a's tail.
     c = client.create(prompt(12, base=900), pool="tiny")

@@ -61,7 +61,7 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     # loops and small set operations, which let the loop take the interpreter lock every
     # few ms, rather than single C-level operations over a whole large set.)
     free = set(free_list)
-    evictable = {b for b, _ in snap["evict"]}
+    evictable = snap["evict"].keys()
     referenced = snap["ref"].keys()
     reserved = {b for _, b in snap["reserve"]}
     counted = Counter(lease for lease, _ in snap["reserve"])

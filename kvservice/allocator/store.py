@@ -422,7 +422,7 @@ SMALL_POOL_ENTRIES = 20_000
 def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2b: Any, b2h: Any, seqs: Any,
                       leases: Any, lseq: Any, stats: Any, tabs: Any, reserve: Any, journal: Any, held: Any,
                       counts: Any) -> dict[str, Any]:
-    """``Store.snapshot``'s pieces, decoded (zsets in score order, as ZRANGE gives them)."""
+    """``Store.snapshot``'s pieces, decoded (the leases in deadline order)."""
     def s(x: bytes) -> str:
         return x.decode()
 
@@ -431,7 +431,9 @@ def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2
         "state": {s(a): int(b) for a, b in state.items() if a in (b"fresh", b"clock")},
         "version": int(state.get(b"version", 0)),
         "free": [int(b) for b in free],
-        "evict": [(int(m), sc) for m, sc in sorted(evict, key=lambda x: (x[1], x[0]))],
+        # (block -> LRU clock, unordered: a sort of a large evictable set, one C-level
+        # call, would hold the interpreter lock for tens of ms beside the serving loop)
+        "evict": {int(m): sc for m, sc in evict},
         "ref": {int(a): int(b) for a, b in ref.items()},
         "h2b": {s(a): int(b) for a, b in h2b.items()},
         "b2h": {int(a): s(b) for a, b in b2h.items()},
