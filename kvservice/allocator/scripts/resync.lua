@@ -259,17 +259,18 @@ end
 
 local stage = redis.call('HGET', K_RUN, 'stage')
 local next = tonumber(redis.call('HGET', K_RUN, 'next'))
+-- (one stage's work per part: a stage that did some ends the part)
 local left = budget
 if stage == 'drop' then
   local work, done = drop()
-  left = left - work
+  if work > 1 then left = 0 end
   if done then stage = 'claims' end
 end
 if stage == 'claims' and left > 0 then
   if next < p.total then
-    local work
-    work, next = claims(next, left)
-    left = left - work
+    local _
+    _, next = claims(next, left)
+    left = 0
   end
   if next >= p.total then stage = 'reclaim' end
 end
