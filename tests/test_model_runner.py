@@ -33,6 +33,7 @@ from worker.model import (
 )
 from worker.pool import KVPool, PoolShape
 from worker.server import build_pool
+from worker.weights import PRETRAINED
 
 BS, NUM_BLOCKS, SEED = 16, 256, 0
 IA, FP = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -373,7 +374,7 @@ def test_build_model_is_deterministic_and_offline():
     assert a.config.initializer_range == 0.1 and a.dtype == torch.float32 and not a.training
     with pytest.raises(ValueError, match="unknown model 'gpt-17'"):
         build_model("gpt-17")
-    assert tuple(MODEL_PRESETS) == MODEL_NAMES
+    assert tuple(MODEL_PRESETS) + tuple(PRETRAINED) == MODEL_NAMES
 
 
 def test_settings_take_the_geometry_from_the_model(caplog):

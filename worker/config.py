@@ -11,8 +11,9 @@ from kvservice.common.settings import (EnvSettings, check_block_size, check_in_r
                                       check_positive, check_server_security)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-#: The presets of worker/model.py (kept here so that checking flags needs no torch).
-MODEL_NAMES = ("tiny-llama", "small-llama")
+#: The presets of worker/model.py and worker/weights.py (kept here so that checking flags
+#: needs no torch).
+MODEL_NAMES = ("tiny-llama", "small-llama", "smollm2-135m")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -38,10 +39,12 @@ class WorkerSettings(EnvSettings):
     #: Exact number of blocks (overrides kv_memory when > 0).
     num_blocks: int = 0
     block_size: int = 16
-    #: A model preset to serve with Forward (tiny-llama, small-llama); empty: K/V only.
-    #: With a model, num_layers, num_kv_heads, head_dim and dtype come from the model.
+    #: A model preset to serve with Forward (tiny-llama, small-llama: seeded weights;
+    #: smollm2-135m: SmolLM2-135M-Instruct, converted once into $KVSERVICE_MODEL_CACHE);
+    #: empty: K/V only. With a model, num_layers, num_kv_heads, head_dim and dtype come
+    #: from the model.
     model: str = ""
-    #: The seed the model's weights are drawn with.
+    #: The seed the weights of a seeded preset are drawn with.
     model_seed: int = 0
     num_layers: int = 2
     num_kv_heads: int = 2

@@ -43,17 +43,22 @@ SEED_MULTIPLIER = 1_000_003
 
 
 def build_model(name: str, seed: int = 0) -> LlamaForCausalLM:
-    """A preset with weights drawn from ``seed`` (float32, CPU, eval mode).
+    """A preset with weights drawn from ``seed`` (float32, CPU, eval mode), or a
+    pretrained one (``worker.weights.PRETRAINED``: its own weights, no seed).
 
     Args:
-        name: a key of ``MODEL_PRESETS``.
+        name: a key of ``MODEL_PRESETS`` or of ``PRETRAINED``.
         seed: the seed of ``torch.manual_seed`` before the weights are drawn.
 
     Raises:
         ValueError: for an unknown preset.
     """
+    from worker.weights import PRETRAINED, load
+
+    if name in PRETRAINED:
+        return load(name)
     if name not in MODEL_PRESETS:
-        raise ValueError(f"unknown model {name!r} (presets: {', '.join(MODEL_PRESETS)})")
+        raise ValueError(f"unknown model {name!r} (presets: {', '.join([*MODEL_PRESETS, *PRETRAINED])})")
     config = LlamaConfig.from_dict(MODEL_PRESETS[name].to_dict())
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

