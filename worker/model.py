@@ -137,6 +137,11 @@ class ModelRunner:
         self.pool = pool
         self.name = name
         self.seed = seed
+        from worker.weights import source_of
+
+        #: Where a pretrained model's weights come from ("" for a seeded preset).
+        self.source = source_of(name)
+        self.num_parameters = sum(p.numel() for p in model.parameters())
         self.vocab_size = cfg.vocab_size
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads

@@ -56,9 +56,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.runner is not None:
             r, cfg = self.runner, self.runner.model.config
             info.model.CopyFrom(pb.ModelInfo(
-                name=r.name, seed=r.seed, vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=r.head_dim,
-                hidden_size=cfg.hidden_size, dtype=tensors.NAMES[r.model.dtype]))
+                name=r.name, seed=0 if r.source else r.seed, vocab_size=cfg.vocab_size,
+                num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                num_kv_heads=cfg.num_key_value_heads, head_dim=r.head_dim, hidden_size=cfg.hidden_size,
+                dtype=tensors.NAMES[r.model.dtype], source=r.source, num_parameters=r.num_parameters))
         return info
 
     async def WriteKV(self, request: pb.WriteKVRequest, context: Any) -> pb.WriteKVResponse:

@@ -48,6 +48,12 @@ PRETRAINED: dict[str, Pretrained] = {
 }
 
 
+def source_of(name: str) -> str:
+    """``"<distribution>==<version>:<file>"`` of a pretrained preset; "" for any other name."""
+    p = PRETRAINED.get(name)
+    return f"{p.distribution}=={p.version}:{p.file}" if p else ""
+
+
 def cache_root() -> Path:
     """Where converted models are kept."""
     if os.environ.get("KVSERVICE_MODEL_CACHE"):
