@@ -37,10 +37,11 @@ its size (``Client.reserved_blocks()``) is counted as a state of its own,
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from kvservice import errors
 from kvservice.client import Client
@@ -413,12 +414,25 @@ class PagedMemory:
             assert (token, covered, allocated) == (self.token, self.covered, self.allocated), (
                 f"totals {(self.token, self.covered, self.allocated)} != {(token, covered, allocated)}")
             assert self.used * bs == allocated
-        stats = self.client.pool_stats(self.pool)
-        assert stats.num_used_blocks == self.used <= self.num_blocks - self.reserved // bs, (
+        stats, reserved = self._settled_counts()
+        assert stats.num_used_blocks == self.used <= self.num_blocks - reserved, (
             f"allocator: {stats.num_used_blocks} used blocks, local {self.used}, "
-            f"{self.reserved // bs} reserved, of {self.num_blocks}")
-        assert stats.num_reserved_blocks == self.reserved // bs, (
-            f"allocator: {stats.num_reserved_blocks} reserved blocks, the SDK {self.reserved // bs}")
+            f"{reserved} reserved, of {self.num_blocks}")
+        assert stats.num_reserved_blocks == reserved, (
+            f"allocator: {stats.num_reserved_blocks} reserved blocks, the SDK {reserved}")
+
+    def _settled_counts(self) -> tuple[Any, int]:
+        """The pool's stats and the SDK's reserve, read when no Sync is on its way (a
+        background refill may be granted in the pool before its reply reaches the SDK):
+        the two are read again until the SDK's reserve is the same before and after."""
+        for _ in range(100):
+            self.client.flush()
+            mine = self.client.reserved_blocks()
+            stats = self.client.pool_stats(self.pool)
+            if stats.num_reserved_blocks == mine == self.client.reserved_blocks():
+                break
+            time.sleep(0.01)
+        return stats, mine
 
     def finish(self) -> dict:
         """Frees whatever is live, then audits the pool."""
