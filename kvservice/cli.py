@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, up, token, certs, audit, health, bench, demo, simulate."""
+"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, limits, demo, simulate."""
 
 from __future__ import annotations
 
@@ -157,6 +157,12 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _api(args: argparse.Namespace) -> int:
+    from kvservice.api.server import main as api_main
+
+    return api_main(args)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from kvservice.simulate.cli import main as simulate_main
 
@@ -271,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per worker (overrides --kv-memory)")
     p.set_defaults(func=_up)
+
+    from kvservice.api.server import add_arguments as api_arguments
+
+    p = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
+                                   "/v1/chat/completions, /health, /metrics) over an allocator and its workers")
+    api_arguments(p)
+    p.set_defaults(func=_api)
 
     from kvservice.engine.demo import add_arguments as demo_arguments
 

@@ -148,7 +148,7 @@ def scraped(tmp_path_factory):
     """A stack that ran a workload and holds one sequence in each pool, scraped by a
     Prometheus; yields (stack, prometheus, the pools' stats from the allocator)."""
     tmp = tmp_path_factory.mktemp("prometheus")
-    stack = Stack(2, num_blocks=64)
+    stack = Stack(2, model="tiny-llama", num_blocks=64)
     prom = client = None
     try:
         stack.start()

@@ -84,6 +84,7 @@ class StepSequence:
             position in ``block_table``.
         temperature: 0 for greedy, else the softmax temperature.
         seed: the sampling seed (see the module docstring).
+        top_p: nucleus sampling (0 or 1: off). top_k: the k most likely tokens (0: off).
     """
 
     token_ids: list[int]
@@ -92,6 +93,8 @@ class StepSequence:
     slot_mapping: list[int]
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
 
     @property
     def context_len(self) -> int:
@@ -105,6 +108,35 @@ class ForwardResult:
 
     next_tokens: list[int]
     logits: torch.Tensor = field(repr=False)
+
+
+def check_sampling(q: "StepSequence", where: str) -> None:
+    """Raises InvalidArgument naming the field unless ``q``'s sampling is valid."""
+    t = q.temperature
+    if not (math.isfinite(t) and t >= 0):
+        raise errors.InvalidArgument(f"{where}.temperature must be finite and >= 0 (0: greedy), got {t}")
+    if not (math.isfinite(q.top_p) and 0 <= q.top_p <= 1):
+        raise errors.InvalidArgument(f"{where}.top_p must be in [0, 1] (0 or 1: off), got {q.top_p}")
+    if q.top_k < 0:
+        raise errors.InvalidArgument(f"{where}.top_k must be >= 0 (0: off), got {q.top_k}")
+
+
+def _truncated(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """``probs`` (float64, one row) with all but the top-k / nucleus tokens zeroed. Ties
+    are broken by the lower token id (a stable sort), so the set depends on the row only."""
+    if not (0 < top_k < probs.numel()) and not (0 < top_p < 1):
+        return probs
+    order = torch.sort(probs, descending=True, stable=True).indices
+    keep = probs.numel()
+    if 0 < top_k < keep:
+        keep = top_k
+    if 0 < top_p < 1:
+        cumulative = torch.cumsum(probs[order], 0)
+        # the smallest prefix whose mass reaches top_p (at least one token)
+        keep = min(keep, int(torch.searchsorted(cumulative, torch.tensor(top_p, dtype=cumulative.dtype))) + 1)
+    out = torch.zeros_like(probs)
+    out[order[:keep]] = probs[order[:keep]]
+    return out
 
 
 class ModelRunner:
@@ -137,10 +169,13 @@ class ModelRunner:
         self.pool = pool
         self.name = name
         self.seed = seed
-        from worker.weights import source_of
+        from worker.weights import source_of, tokenizer_files
 
         #: Where a pretrained model's weights come from ("" for a seeded preset).
         self.source = source_of(name)
+        #: A pretrained model's tokenizer (None: a seeded preset speaks token ids only).
+        self.tokenizer = tokenizer_files(name)
+        self.max_position_embeddings = getattr(cfg, "max_position_embeddings", 0) or 0
         self.num_parameters = sum(p.numel() for p in model.parameters())
         self.vocab_size = cfg.vocab_size
         self.num_heads = cfg.num_attention_heads
@@ -188,10 +223,7 @@ class ModelRunner:
                     raise errors.InvalidArgument(f"sequences[{i}].slot_mapping[{j}] = {slot} is also "
                                                  f"sequences[{a}].slot_mapping[{b}]: a slot is written once a step")
                 written[slot] = (i, j)
-            t = seq.temperature
-            if not (math.isfinite(t) and t >= 0):
-                raise errors.InvalidArgument(f"sequences[{i}].sampling.temperature must be finite and >= 0 "
-                                             f"(0: greedy), got {t}")
+            check_sampling(seq, f"sequences[{i}].sampling")
 
     # ------------------------------------------------------------ the step
 
@@ -276,6 +308,7 @@ class ModelRunner:
             if not torch.isfinite(probs).all():      # a temperature so small that it overflows
                 out.append(int(torch.argmax(row)))
                 continue
+            probs = _truncated(probs, q.top_p, q.top_k)
             gen = torch.Generator(device="cpu").manual_seed(sampling_seed(q.seed, q.context_len))
             out.append(int(torch.multinomial(probs, 1, generator=gen)))
         return out

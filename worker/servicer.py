@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any
 
 from kvservice import errors
@@ -59,7 +58,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 name=r.name, seed=0 if r.source else r.seed, vocab_size=cfg.vocab_size,
                 num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                 num_kv_heads=cfg.num_key_value_heads, head_dim=r.head_dim, hidden_size=cfg.hidden_size,
-                dtype=tensors.NAMES[r.model.dtype], source=r.source, num_parameters=r.num_parameters))
+                dtype=tensors.NAMES[r.model.dtype], source=r.source, num_parameters=r.num_parameters,
+                max_position_embeddings=r.max_position_embeddings))
+            t = r.tokenizer
+            if request.include_tokenizer and t is not None:
+                info.model.tokenizer.CopyFrom(pb.TokenizerInfo(
+                    tokenizer_json=t.tokenizer_json, chat_template=t.chat_template,
+                    eos_token_ids=t.eos_token_ids, bos_token=t.bos_token, eos_token=t.eos_token))
         return info
 
     async def WriteKV(self, request: pb.WriteKVRequest, context: Any) -> pb.WriteKVResponse:
@@ -94,7 +99,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         from worker.model import StepSequence
 
         sequences = [StepSequence(list(q.token_ids), q.start_position, list(q.block_table), list(q.slot_mapping),
-                                  q.sampling.temperature, q.sampling.seed) for q in request.sequences]
+                                  q.sampling.temperature, q.sampling.seed, q.sampling.top_p or 1.0,
+                                  q.sampling.top_k) for q in request.sequences]
         extras = _extra_samples(request, sequences)       # checked before anything changes
         result = self.runner.step([(p.src, p.dst) for p in request.copies], sequences)
         reply = pb.ForwardResponse(next_tokens=result.next_tokens)
@@ -111,6 +117,8 @@ MAX_EXTRA_SAMPLES = 256
 def _extra_samples(request: pb.ForwardRequest, sequences: list) -> list[tuple[int, list]]:
     """Each sequence's extra draws from its last position, as steps that differ only in
     their sampling (same context length, hence the same seeding rule)."""
+    from worker.model import check_sampling
+
     out = []
     for i, (q, seq) in enumerate(zip(request.sequences, sequences)):
         if not q.extra_samples:
@@ -120,10 +128,9 @@ def _extra_samples(request: pb.ForwardRequest, sequences: list) -> list[tuple[in
                                          f"{MAX_EXTRA_SAMPLES}")
         draws = []
         for j, params in enumerate(q.extra_samples):
-            t = params.temperature
-            if not (math.isfinite(t) and t >= 0):
-                raise errors.InvalidArgument(f"sequences[{i}].extra_samples[{j}].temperature must be finite and "
-                                             f">= 0 (0: greedy), got {t}")
-            draws.append(dataclasses.replace(seq, temperature=t, seed=params.seed))
+            draw = dataclasses.replace(seq, temperature=params.temperature, seed=params.seed,
+                                       top_p=params.top_p or 1.0, top_k=params.top_k)
+            check_sampling(draw, f"sequences[{i}].extra_samples[{j}]")
+            draws.append(draw)
         out.append((i, draws))
     return out

@@ -138,6 +138,39 @@ def _from_gguf(path: Path) -> LlamaForCausalLM:
     return model
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizerFiles:
+    """What an engine needs to speak text with a pretrained preset (``Describe`` sends it)."""
+
+    tokenizer_json: bytes
+    chat_template: str
+    eos_token_ids: tuple[int, ...]
+    bos_token: str
+    eos_token: str
+
+
+def tokenizer_files(name: str) -> TokenizerFiles | None:
+    """The converted folder's tokenizer of a pretrained preset; None for any other name.
+
+    The end-of-sequence ids are the generation config's ``eos_token_id`` (one or a list)
+    and the tokenizer's ``eos_token``.
+    """
+    if name not in PRETRAINED:
+        return None
+    folder = converted(name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    generation = json.loads((folder / "generation_config.json").read_text())
+    raw = (folder / "tokenizer.json").read_bytes()
+    vocab = {t["content"]: t["id"] for t in json.loads(raw).get("added_tokens", [])}
+    eos = generation.get("eos_token_id")
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if config.get("eos_token") in vocab:
+        ids.add(vocab[config["eos_token"]])
+    template = folder / "chat_template.jinja"
+    return TokenizerFiles(raw, template.read_text() if template.is_file() else config.get("chat_template", ""),
+                          tuple(sorted(ids)), config.get("bos_token") or "", config.get("eos_token") or "")
+
+
 def load(name: str) -> LlamaForCausalLM:
     """A pretrained preset (float32, CPU, eval mode, eager attention), converted first if
     needed."""

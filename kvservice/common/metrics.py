@@ -1,4 +1,4 @@
-"""Prometheus metrics of allocator replicas and workers (prometheus-client).
+"""Prometheus metrics of allocator replicas, workers and the HTTP API (prometheus-client).
 
 Every metric the project exports is declared once, in ``CATALOGUE``: the allocator and
 the worker build their metrics from it, ``docs/operations.md`` lists it, and the tests
@@ -40,8 +40,8 @@ class MetricSpec:
 
     ``name`` is the family name (a counter's samples add ``_total``, which the name
     already carries here); ``source`` says who exports it: ``allocator`` (every replica),
-    ``exporter`` (the replica holding the exporter lease), ``worker``, or ``both``
-    (allocator replicas and workers).
+    ``exporter`` (the replica holding the exporter lease), ``worker``, ``both``
+    (allocator replicas and workers), or ``api`` (the HTTP API, ``kvservice api``).
     """
 
     name: str
@@ -118,6 +118,21 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _m("worker_kernel_duration_seconds", "histogram", ("pool", "kernel", "backend"), "worker",
        "Time of one kernel launch on the worker's device, by kernel and backend (cuda or torch)."),
     _m("worker_forward_tokens_total", "counter", POOL, "worker", "Tokens computed by Forward (prefill and decode)."),
+    # --- the OpenAI-compatible HTTP API (kvservice api)
+    _m("api_requests_total", "counter", ("endpoint", "status"), "api",
+       "Requests answered, by endpoint (completions, chat) and HTTP status (499: the client went away)."),
+    _m("api_time_to_first_token_seconds", "histogram", ("endpoint",), "api",
+       "From a request's arrival to its first generated token."),
+    _m("api_inter_token_latency_seconds", "histogram", ("endpoint",), "api",
+       "Between two consecutive tokens of one sample."),
+    _m("api_e2e_request_latency_seconds", "histogram", ("endpoint",), "api",
+       "From a request's arrival to its last token."),
+    _m("api_prompt_tokens_total", "counter", (), "api", "Prompt tokens of finished requests."),
+    _m("api_generation_tokens_total", "counter", (), "api", "Tokens generated for finished requests (all samples)."),
+    _m("api_cached_prompt_tokens_total", "counter", (), "api",
+       "Prompt tokens of finished requests served by the prefix cache (usage.prompt_tokens_details.cached_tokens)."),
+    _m("api_requests_running", "gauge", (), "api", "Requests with sequences in the KV pools."),
+    _m("api_requests_waiting", "gauge", (), "api", "Requests waiting for KV blocks or a sequence slot."),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
 #: Pool-stat counters in Redis (``PoolStats`` fields) -> catalogue names.

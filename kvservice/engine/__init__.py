@@ -1,5 +1,6 @@
 """The continuous-batching engine over the SDK and the workers, and the demo."""
 
-from kvservice.engine.engine import Completion, Engine, Progress, Report, Request
+from kvservice.engine.engine import (Completion, Engine, EngineBusy, Handle, Output, Progress, Report, Request,
+                                     RequestError)
 
-__all__ = ["Completion", "Engine", "Progress", "Report", "Request"]
+__all__ = ["Completion", "Engine", "EngineBusy", "Handle", "Output", "Progress", "Report", "Request", "RequestError"]

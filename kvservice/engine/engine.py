@@ -11,6 +11,17 @@ fork and copy-on-write. When a pool runs short, admission waits and decoding pre
 most recently admitted request, which is recomputed later from its tokens so far. See
 docs/engine.md for the step loop and the report's definitions.
 
+Two ways to use it. ``run(requests)`` runs a batch to completion and returns a
+``Report``. ``start()`` runs the step loop in a thread; ``submit(request)`` then adds a
+request at any time and returns a ``Handle`` that yields the request's ``Output``s as
+they are generated (``events()``), its ``Completion`` at the end (``result()``), and
+cancels it (``cancel()``: its blocks are freed at the next step).
+
+With a model that has a tokenizer (the workers send it), the engine speaks text:
+``engine.tokenizer`` encodes prompts and renders chats, every sample stops at the model's
+end-of-sequence tokens (unless ``ignore_eos``) and at the request's ``stop`` strings, and
+outputs carry text as well as token ids.
+
 Example: ``Engine("127.0.0.1:50051").run([Request([1, 2, 3], max_new_tokens=8, n=4,
 temperature=0.8)])`` returns a ``Report`` with one ``Completion`` of four samples.
 """
@@ -18,26 +29,49 @@ temperature=0.8)])`` returns a ``Report`` with one ``Completion`` of four sample
 from __future__ import annotations
 
 import itertools
+import logging
+import math
+import queue
 import sys
+import threading
 import time
 from array import array
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import grpc
 
 from kvservice import errors
 from kvservice.client import Client, Sequence, StepResult
 from kvservice.common.security import ClientCredentials
+from kvservice.engine.text import Detokenizer, StopMatcher, Tokenizer
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
+
+log = logging.getLogger("kvservice.engine")
 
 #: Branch states: waiting for a create; created, prompt not yet computed; waiting for
 #: branch 0's prefill; to be forked from branch 0 carrying ``pending``; decoding
 #: (``pending`` is appended and computed next); finished.
 WAIT, PREFILL, FOLLOW, FORK, DECODE, DONE = "wait", "prefill", "follow", "fork", "decode", "done"
+
+#: Why a sample ended: its ``max_new_tokens``; an end-of-sequence token, a stop token or
+#: a stop string; ``Handle.cancel``; the request failed.
+LENGTH, STOP, CANCELLED, FAILED = "length", "stop", "cancelled", "error"
+
+
+class EngineBusy(RuntimeError):
+    """``submit`` refused a request: ``max_waiting`` requests wait for KV blocks already."""
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked: ``field`` names the offending field."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(slots=True)
@@ -46,11 +80,18 @@ class Request:
 
     Attributes:
         prompt: the prompt's token ids.
-        max_new_tokens: tokens to generate per sample.
+        max_new_tokens: tokens to generate per sample at most.
         n: parallel samples; sample ``i`` uses ``seed + i``.
         temperature: 0 for greedy (argmax), else sampling at this temperature.
         seed: the sampling seed of sample 0.
         request_id: a name for the request (default: its index in the run).
+        top_p: nucleus sampling, in (0, 1] (1: off).
+        top_k: sample among the k most likely tokens (0: off).
+        stop: strings that end a sample (not included in its text); needs a tokenizer.
+        stop_token_ids: more token ids that end a sample, besides the model's
+            end-of-sequence ids.
+        ignore_eos: go on past the model's end-of-sequence tokens (``max_new_tokens``
+            tokens always).
     """
 
     prompt: list[int]
@@ -59,11 +100,42 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     request_id: str = ""
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.prompt or self.max_new_tokens < 1 or self.n < 1 or self.temperature < 0:
-            raise ValueError(f"request {self.request_id!r}: need a prompt, max_new_tokens >= 1, "
-                             f"n >= 1 and temperature >= 0")
+        name = f"request {self.request_id!r}"
+        checks = ((bool(self.prompt), "prompt", "needs a prompt (at least one token)"),
+                  (self.max_new_tokens >= 1, "max_new_tokens", f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+                  (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
+                  (math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+                   f"temperature must be finite and >= 0, got {self.temperature}"),
+                  (math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+                  (self.top_k >= 0, "top_k", f"top_k must be >= 0 (0: off), got {self.top_k}"),
+                  (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"))
+        for ok, where, message in checks:
+            if not ok:
+                raise RequestError(f"{name}: {message}", where)
+        self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+
+
+@dataclass(slots=True)
+class Output:
+    """What one step added to one sample of a request (``Handle.events``).
+
+    Attributes:
+        index: the sample. token_ids: its new tokens. text: the text they complete (held
+        back while it could begin a stop string). finish_reason: set on the sample's last
+        output (``length``, ``stop``, ``cancelled`` or ``error``).
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +150,10 @@ class Completion:
         num_cached_tokens: prompt tokens served by the prefix cache (first admission).
         num_preemptions: how often the request was preempted and recomputed.
         error: why the request failed ("" when it did not).
+        texts: each sample's text (with a tokenizer; cut before a stop string).
+        finish_reasons: why each sample ended (``length``, ``stop``, ``cancelled``,
+            ``error``).
+        num_prompt_tokens: the prompt's length.
     """
 
     request_id: str
@@ -86,6 +162,9 @@ class Completion:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str = ""
+    texts: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -101,7 +180,8 @@ class Report:
             peak of an unshared run (every sequence holding private copies of its blocks).
         prefill_tokens: prompt tokens computed by the workers.
         steps, preemptions, failed, seconds: engine steps, preemptions, failed requests,
-            wall time. completions: one per request, in submission order.
+            wall time. cancelled: requests cancelled. completions: one per request, in
+            submission order (``run``; the online loop hands them to the handles).
     """
 
     requests: int = 0
@@ -116,6 +196,7 @@ class Report:
     steps: int = 0
     preemptions: int = 0
     failed: int = 0
+    cancelled: int = 0
     seconds: float = 0.0
     completions: list[Completion] = field(default_factory=list)
 
@@ -136,10 +217,62 @@ class Progress:
     blocks: int
 
 
+class Handle:
+    """A submitted request (``Engine.submit``): its outputs as they come, its result,
+    its cancellation. Thread-safe."""
+
+    def __init__(self, engine: "Engine", request: Request,
+                 on_event: Callable[[Output | Completion], None] | None) -> None:
+        self.engine, self.request = engine, request
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_event = on_event or self._events.put
+        self._done = threading.Event()
+        self._completion: Completion | None = None
+
+    def _emit(self, event: Output | Completion) -> None:
+        if isinstance(event, Completion):
+            self._completion = event
+            self._done.set()
+        self._on_event(event)
+
+    def events(self, timeout: float | None = None) -> Iterator[Output]:
+        """The request's outputs in order, until its end (without ``on_event`` only).
+
+        Raises:
+            TimeoutError: nothing came for ``timeout`` seconds.
+        """
+        while True:
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no output for {timeout} s") from None
+            if isinstance(event, Completion):
+                return
+            yield event
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Waits for the request's end; its completion."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request.request_id!r} did not finish within {timeout} s")
+        return self._completion
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Ends the request: every unfinished sample ends ``cancelled`` and its blocks are
+        freed at the engine's next step (after its prompt's computation, if that is under
+        way). A finished request is left as it is."""
+        self.engine._inbox.put(("cancel", self))
+        self.engine._wake.set()
+
+
 class _Branch:
     """One sample of a request."""
 
-    __slots__ = ("index", "seed", "state", "outputs", "logits", "seq", "context", "pending")
+    __slots__ = ("index", "seed", "state", "outputs", "logits", "seq", "context", "pending", "finish",
+                 "detok", "stops")
 
     def __init__(self, index: int, seed: int) -> None:
         self.index, self.seed, self.state, self.pending = index, seed, WAIT, 0   # pending: next token to feed
@@ -147,16 +280,21 @@ class _Branch:
         self.logits: list[array] = []
         self.seq: Sequence | None = None
         self.context: list[int] = []      # the tokens its sequence was created with
+        self.finish = ""
+        self.detok: Detokenizer | None = None
+        self.stops: StopMatcher | None = None
 
 
 class _Job:
     """A request in flight: its branches and bookkeeping."""
 
-    def __init__(self, req: Request, index: int) -> None:
-        self.req, self.index = req, index
+    def __init__(self, req: Request, index: int, handle: Handle | None = None) -> None:
+        self.req, self.index, self.handle = req, index, handle
         self.branches = [_Branch(i, req.seed + i) for i in range(req.n)]
         self.admitted, self.cached, self.preemptions, self.error = 0, -1, 0, ""   # admitted: order
         self.forking = False   # branch 0 was created for all n: the others fork after its prefill
+        self.cancelled = False
+        self.completion: Completion | None = None
 
     @property
     def done(self) -> bool:
@@ -164,7 +302,7 @@ class _Job:
 
 
 class Engine:
-    """Runs requests to completion over the allocator at ``allocator`` and its workers.
+    """Runs requests over the allocator at ``allocator`` and its workers.
 
     Args:
         allocator: ``host:port`` of an allocator; the workers are its pools'
@@ -181,12 +319,14 @@ class Engine:
         timeout: seconds per RPC.
         local: the SDK's local mode (no allocator RPC on the decode path); False: every
             step's ownership changes in one synchronous ``Step`` RPC.
+        max_waiting: ``submit`` refuses a request (``EngineBusy``) while this many wait
+            for KV blocks already (0: no bound).
     """
 
     def __init__(self, allocator: str, *, tenant: str = "", max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, return_logits: bool = False,
                  progress: Callable[[Progress], None] | None = None, timeout: float = 60.0,
-                 local: bool = True, credentials: ClientCredentials | None = None) -> None:
+                 local: bool = True, credentials: ClientCredentials | None = None, max_waiting: int = 0) -> None:
         self.local = local
         self.credentials = credentials or ClientCredentials.from_env()
         if not tenant and not (self.credentials.token or self.credentials.cert):
@@ -195,11 +335,29 @@ class Engine:
                              credentials=self.credentials)
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.return_logits, self.progress, self.timeout = return_logits, progress, timeout
+        self.max_waiting = max_waiting
         self._stubs: dict[str, wpb_grpc.WorkerStub] = {}
         self._channels: list[grpc.Channel] = []
         self._num_blocks: dict[str, int] = {}
         self._block_size: dict[str, int] = {}
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvs-forward")
+        #: The served model (``worker_pb2.ModelInfo``, without its tokenizer) and, when it
+        #: has one, its tokenizer.
+        self.model: wpb.ModelInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.report = Report()
+        self._waiting: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._to_free: list[Sequence] = []
+        self._live: dict[str, Sequence] = {}          # every sequence holding blocks, by id
+        self._unwritten: dict[str, set[int]] = {}     # per pool: blocks whose prompt is not computed yet
+        self._admit_order, self._hold, self._solo = itertools.count(1), False, False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._submitted = itertools.count()
+        self._finished = 0
         self.refresh_workers()
 
     # ------------------------------------------------------------ workers
@@ -215,17 +373,31 @@ class Engine:
             channel = self.credentials.channel(p.worker_address, [
                 ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
             stub = wpb_grpc.WorkerStub(channel)
-            info = stub.Describe(wpb.DescribeWorkerRequest(), timeout=self.timeout)
+            info = stub.Describe(wpb.DescribeWorkerRequest(include_tokenizer=self.model is None),
+                                 timeout=self.timeout)
             if not info.HasField("model"):
                 raise RuntimeError(f"worker {p.worker_address} of pool {p.pool_id} serves no model (--model)")
             models.add((info.model.name, info.model.seed))
+            if self.model is None:
+                if info.model.HasField("tokenizer"):
+                    self.tokenizer = Tokenizer.from_info(info.model.tokenizer)
+                self.model = wpb.ModelInfo()
+                self.model.CopyFrom(info.model)
+                self.model.ClearField("tokenizer")
+            models.add((self.model.name, self.model.seed))
             self._channels.append(channel)
             self._stubs[p.pool_id] = stub
         if not self._stubs or len(models) > 1:
             raise RuntimeError(f"need pools with workers that serve one model; found {sorted(models)}")
 
     def close(self) -> None:
-        """Frees every sequence (revokes the lease) and closes the connections."""
+        """Stops the loop (requests still in flight end ``cancelled``), frees every
+        sequence (revokes the lease) and closes the connections."""
+        if self._thread is not None:
+            self._stopping = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
         self._executor.shutdown(wait=True)
         for c in [*self._channels, self.client]:
             c.close()
@@ -236,7 +408,68 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------ the run
+    # ------------------------------------------------------------ requests
+
+    def check(self, req: Request) -> None:
+        """Raises ``RequestError`` (naming the field) unless the engine can serve ``req``:
+        it fits in the largest pool when it runs alone, in the model's context and
+        vocabulary, and it asks for stop strings only of a model with a tokenizer."""
+        vocab = self.model.vocab_size if self.model else 0
+        bad = next((t for t in req.prompt if not 0 <= t < vocab), None) if vocab else None
+        if bad is not None:
+            raise RequestError(f"prompt token {bad} is not in the vocabulary (0..{vocab - 1})", "prompt")
+        context = self.model.max_position_embeddings if self.model else 0
+        if context and len(req.prompt) + req.max_new_tokens > context:
+            raise RequestError(f"the prompt's {len(req.prompt)} tokens + max_new_tokens {req.max_new_tokens} exceed "
+                               f"the model's context of {context} tokens", "max_new_tokens")
+        need, largest = self._min_blocks(req), max(self._num_blocks.values())
+        if need > largest:
+            raise RequestError(f"request {req.request_id!r} needs {need} KV blocks at least (prompt of "
+                               f"{len(req.prompt)} tokens, max_new_tokens {req.max_new_tokens}, n {req.n}); "
+                               f"the largest pool has {largest}", "max_new_tokens")
+        if req.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a model with a tokenizer; this one speaks token ids", "stop")
+
+    def start(self) -> "Engine":
+        """Runs the step loop in a thread, for ``submit``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="kvs-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, req: Request, on_event: Callable[[Output | Completion], None] | None = None) -> Handle:
+        """Adds a request to the running loop (``start()`` first).
+
+        Args:
+            req: the request; checked first (``check``).
+            on_event: called from the loop's thread with each ``Output`` and, last, the
+                ``Completion`` (default: kept for ``Handle.events``).
+
+        Raises:
+            RequestError: the request cannot be served (nothing was queued).
+            EngineBusy: ``max_waiting`` requests wait already.
+        """
+        if self._thread is None:
+            raise RuntimeError("submit() needs the loop: call start() first (or run() for a batch)")
+        self.check(req)
+        if self.max_waiting and len(self._waiting) + self._inbox.qsize() >= self.max_waiting:
+            raise EngineBusy(f"{len(self._waiting)} requests wait for KV blocks already (at most {self.max_waiting})")
+        handle = Handle(self, req, on_event)
+        self._inbox.put(("submit", handle))
+        self._wake.set()
+        return handle
+
+    @property
+    def num_running(self) -> int:
+        """Requests with sequences in the pools."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be admitted (for KV blocks or a sequence slot)."""
+        return len(self._waiting) + self._inbox.qsize()
+
+    # ------------------------------------------------------------ the loop
 
     def run(self, requests: Iterable[Request]) -> Report:
         """Runs every request to completion; returns the report (sequences all freed).
@@ -244,39 +477,136 @@ class Engine:
         A request fails (``Completion.error``) only when it can never fit in the largest
         pool; a pool that is merely short makes requests wait or be preempted.
         """
-        start, jobs = time.monotonic(), [_Job(r, i) for i, r in enumerate(requests)]
-        self.report, self._waiting, self._running = Report(), deque(), []
-        self._to_free: list[Sequence] = []
-        self._live: dict[str, Sequence] = {}          # every sequence holding blocks, by id
-        self._unwritten: dict[str, set[int]] = {}     # per pool: blocks whose prompt is not computed yet
-        self._admit_order, self._hold, self._solo = itertools.count(1), False, False
+        if self._thread is not None:
+            raise RuntimeError("run() while the loop serves submit(): submit the requests instead")
+        start, self.report = time.monotonic(), Report()
+        jobs = [_Job(r, i) for i, r in enumerate(requests)]
         for job in jobs:
-            need, largest = self._min_blocks(job.req), max(self._num_blocks.values())
-            if need > largest:
-                job.error = (f"request {job.req.request_id or job.index} needs {need} KV blocks at least; "
-                             f"the largest pool has {largest}")
-                for b in job.branches:
-                    b.state = DONE
-            else:
-                self._waiting.append(job)
-        while self._waiting or self._running or self._to_free:
+            self._admit(job)
+        while self._busy():
             self._step()
             if self.progress:
                 self.progress(Progress(self.report.steps, len(self._running), len(self._waiting),
-                                       sum(j.done for j in jobs), len(jobs), self.report.tokens,
+                                       sum(j.completion is not None for j in jobs), len(jobs), self.report.tokens,
                                        self._used_blocks()))
         self.client.flush()   # local mode: the allocator has applied every free when run returns
         r = self.report
-        for job in jobs:   # in submission order
-            r.completions.append(Completion(
-                job.req.request_id or str(job.index), [b.outputs for b in job.branches],
-                [b.logits for b in job.branches] if self.return_logits else None,
-                max(job.cached, 0), job.preemptions, job.error))
-        r.requests = sum(not j.error for j in jobs)
-        r.failed = len(jobs) - r.requests
+        r.completions = [j.completion for j in jobs]   # in submission order
         r.sharing_saving = 1 - r.peak_blocks / r.peak_unshared_blocks if r.peak_unshared_blocks else 0.0
         r.seconds = round(time.monotonic() - start, 3)
         return r
+
+    def _busy(self) -> bool:
+        return bool(self._waiting or self._running or self._to_free)
+
+    def _admit(self, job: _Job) -> None:
+        """Queues a job, or ends it at once with an error if it can never be served."""
+        try:
+            self.check(job.req)
+        except RequestError as exc:
+            job.error = str(exc)
+            for b in job.branches:
+                b.state, b.finish = DONE, FAILED
+            self._finish(job)
+            return
+        for b in job.branches:
+            if self.tokenizer is not None:
+                b.detok = Detokenizer(self.tokenizer, job.req.prompt)
+                b.stops = StopMatcher(job.req.stop)
+        self._waiting.append(job)
+
+    def _finish(self, job: _Job) -> None:
+        """Records a finished job's completion and hands it to its handle."""
+        r = self.report
+        job.completion = Completion(
+            job.req.request_id or str(job.index), [b.outputs for b in job.branches],
+            [b.logits for b in job.branches] if self.return_logits else None,
+            max(job.cached, 0), job.preemptions, job.error,
+            [b.stops.text if b.stops else "" for b in job.branches], [b.finish for b in job.branches],
+            len(job.req.prompt))
+        if job.error:
+            r.failed += 1
+        elif job.cancelled and any(b.finish == CANCELLED for b in job.branches):
+            r.cancelled += 1
+        else:
+            r.requests += 1
+        self._finished += 1
+        if job.handle is not None:
+            job.handle._emit(job.completion)
+
+    def _serve(self) -> None:
+        """The online loop: takes submissions and cancellations between steps; sleeps
+        when there is nothing to do."""
+        jobs: dict[Handle, _Job] = {}
+        while not self._stopping:
+            self._wake.clear()
+            self._take_inbox(jobs)
+            if not self._busy():
+                self._wake.wait(1.0)
+                continue
+            try:
+                self._step()
+            except Exception as exc:   # a worker or the allocator failed: the running requests fail
+                log.exception("engine step failed")
+                self._fail_running(f"{type(exc).__name__}: {exc}")
+            for h in [h for h, j in jobs.items() if j.completion is not None]:
+                del jobs[h]
+            if self.progress:
+                self.progress(Progress(self.report.steps, len(self._running), len(self._waiting),
+                                       self._finished, self._finished + len(jobs), self.report.tokens,
+                                       self._used_blocks()))
+        self._take_inbox(jobs)
+        for job in jobs.values():
+            job.cancelled = True
+        self._cancel_ready(force=True)
+
+    def _take_inbox(self, jobs: dict) -> None:
+        while True:
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                job = _Job(handle.request, next(self._submitted), handle)
+                jobs[handle] = job
+                self._admit(job)
+            elif handle in jobs:
+                jobs[handle].cancelled = True
+        self._cancel_ready()
+
+    def _cancel_ready(self, force: bool = False) -> None:
+        """Ends the cancelled jobs: a waiting one at once, a running one once no prompt of
+        it is being computed (its blocks must hold what the prefix cache says); its
+        sequences are freed next step (``force``: now, the loop is stopping)."""
+        for job in [j for j in self._waiting if j.cancelled]:
+            self._waiting.remove(job)
+            self._end(job, CANCELLED)
+        for job in [j for j in self._running if j.cancelled]:
+            if force or not any(b.state in (PREFILL, FOLLOW) for b in job.branches):
+                self._running.remove(job)
+                self._end(job, CANCELLED)
+        if force and self._to_free:
+            self._change({}, {}, list(self._to_free), [])
+            self._to_free = [s for s in self._to_free if not s.freed]
+
+    def _end(self, job: _Job, reason: str) -> None:
+        """Ends a job's unfinished samples with ``reason``; their sequences are freed next step."""
+        for b in job.branches:
+            if b.seq is not None:
+                if not b.seq.freed:
+                    self._to_free.append(b.seq)
+                b.seq = None
+            if b.state != DONE:
+                b.state, b.finish = DONE, reason
+                if job.handle is not None:
+                    job.handle._emit(Output(b.index, [], b.stops.flush() if b.stops else "", reason))
+        self._finish(job)
+
+    def _fail_running(self, error: str) -> None:
+        for job in list(self._running):
+            job.error = error
+            self._running.remove(job)
+            self._end(job, FAILED)
 
     def _min_blocks(self, req: Request) -> int:
         """Blocks a request holds at its peak when it runs alone, sharing what it can."""
@@ -284,6 +614,7 @@ class Engine:
         total = len(req.prompt) + req.max_new_tokens - 1   # the last token is never fed back
         shared = len(req.prompt) // bs if req.n > 1 else 0
         return shared + req.n * (-(-total // bs) - shared)
+
 
     # ------------------------------------------------------------ one step
 
@@ -353,7 +684,9 @@ class Engine:
         self._measure()
         if not self._forward(result, before) and shortage is not None:
             time.sleep(0.02)   # nothing could run: the pools are held by someone else
-        self._running = [j for j in self._running if not j.done]
+        for job in [j for j in self._running if j.done]:
+            self._running.remove(job)
+            self._finish(job)
 
     def _change_locally(self, appends: dict, forks: dict, frees: list, creates: list
                         ) -> tuple[StepResult, list[Sequence | None], errors.ResourceExhausted | None]:
@@ -496,14 +829,14 @@ class Engine:
         for job in self._running:
             for b in job.branches:
                 s = b.seq
-                sampling = wpb.SamplingParams(temperature=job.req.temperature, seed=b.seed)
+                sampling = _sampling(job.req, b.seed)
                 if b.state == PREFILL:
                     bs, start = s.block_size, s.num_cached_tokens
                     if self._unwritten.get(s.pool, set()).intersection(s.block_table[:start // bs]):
                         continue   # reads blocks that another prompt writes this step: wait one
                     # n > 1: the other samples' first tokens are drawn from the same position.
-                    extra = ([wpb.SamplingParams(temperature=job.req.temperature, seed=x.seed)
-                              for x in job.branches[1:]] if job.forking and b.index == 0 else [])
+                    extra = ([_sampling(job.req, x.seed) for x in job.branches[1:]]
+                             if job.forking and b.index == 0 else [])
                     add(s.pool, b, job, wpb.ForwardSequence(
                         token_ids=b.context[start:], start_position=start, block_table=s.block_table,
                         slot_mapping=s.slot_mapping(start), sampling=sampling, extra_samples=extra), PREFILL)
@@ -540,14 +873,29 @@ class Engine:
         return sum(len(items) for items in entries.values())
 
     def _sampled(self, b: _Branch, job: _Job, token: int, row: array | None, state: str) -> None:
-        """Records a branch's new token: it is fed next (``state``), or the branch is done."""
+        """Records a branch's new token: it is fed next (``state``), or the branch is done
+        (its ``max_new_tokens``, an end-of-sequence or stop token, a stop string)."""
+        req = job.req
         b.outputs.append(token)
         b.pending = token
         if row is not None:
             b.logits.append(row)
         self.report.tokens += 1
-        if len(b.outputs) >= job.req.max_new_tokens:
-            b.state = DONE
+        finish, text = "", ""
+        if token in req.stop_token_ids or (not req.ignore_eos and self.tokenizer is not None
+                                           and token in self.tokenizer.eos_token_ids):
+            finish = STOP         # the token itself is no text
+        elif b.detok is not None:
+            text, stopped = b.stops.feed(b.detok.add(token))
+            finish = STOP if stopped else ""
+        if not finish and len(b.outputs) >= req.max_new_tokens:
+            finish = LENGTH
+        if finish and b.stops is not None:
+            text += b.stops.flush()
+        if job.handle is not None:
+            job.handle._emit(Output(b.index, [token], text, finish or None))
+        if finish:
+            b.state, b.finish = DONE, finish
             if b.seq is not None:
                 self._to_free.append(b.seq)
                 b.seq = None
@@ -577,6 +925,10 @@ class Engine:
             r.peak_blocks = len(held)
             r.kv_utilization = round(sum(held.values()) / slots, 4)
         r.peak_unshared_blocks = max(r.peak_unshared_blocks, unshared)
+
+
+def _sampling(req: Request, seed: int) -> wpb.SamplingParams:
+    return wpb.SamplingParams(temperature=req.temperature, seed=seed, top_p=req.top_p, top_k=req.top_k)
 
 
 def _rows(tensor: wpb.Tensor, count: int) -> list[array]:

@@ -5,7 +5,8 @@
 Each binds port 0 (or a given port) and a free /metrics port (unless its command names
 ``--metrics-port``), reports both through a file, and is stopped with SIGTERM. ``Stack``
 starts a whole local deployment: an embedded Redis, an allocator and N workers serving a
-model, with TLS and authentication on (throwaway credentials).
+model, with TLS and authentication on (throwaway credentials), and optionally the
+OpenAI-compatible HTTP API (``ApiProcess``, ``python -m kvservice api``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class ServiceProcess:
     """
 
     name = "service"
+    #: Whether the command takes ``--metrics-port`` (the API serves /metrics on its own port).
+    metrics_flag = True
 
     def __init__(self, command: list[str], *, env: dict[str, str] | None = None, port: int = 0) -> None:
         self.command = command
@@ -62,7 +65,7 @@ class ServiceProcess:
         log = open(Path(self._dir.name, "log"), "wb")
         cmd = [sys.executable, "-m", *self.command, "--port", str(self.port),
                "--port-file", str(Path(self._dir.name, "port"))]
-        if "--metrics-port" not in self.command:
+        if self.metrics_flag and "--metrics-port" not in self.command:
             cmd += ["--metrics-port", "0"]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **self.env})
@@ -153,6 +156,27 @@ class WorkerProcess(ServiceProcess):
         return self.extra
 
 
+class ApiProcess(ServiceProcess):
+    """``python -m kvservice api`` (the OpenAI-compatible HTTP API) on a free port or ``port``;
+    ``args`` are its flags. /metrics is on the same port."""
+
+    name = "api"
+    metrics_flag = False
+
+    def __init__(self, allocator: str, *args: str, env: dict[str, str] | None = None, port: int = 0) -> None:
+        super().__init__(["kvservice", "api", "--allocator", allocator, *args], env=env, port=port)
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>/v1``: an OpenAI client's ``base_url``."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def model(self) -> str:
+        """The model's id (its port file's second line)."""
+        return self.extra
+
+
 class Stack:
     """An embedded Redis, an allocator and ``workers`` model workers, each its own process.
 
@@ -176,15 +200,19 @@ class Stack:
         worker_args: more ``python -m worker`` flags.
         allocator_args: more ``kvservice serve`` flags.
         secure: TLS and authentication on every server (see above).
+        http_port: also start the OpenAI-compatible HTTP API (``kvservice api``) on this
+            port (0: a free one), a client of its own (tenant ``api``); a secure stack
+            makes it an API key (``api_key``). None: no API.
+        api_args: more ``kvservice api`` flags.
     """
 
     #: The client identities a secure stack makes certificates for (name, role).
-    IDENTITIES = (("engine", "tenant"), ("admin", "admin"))
+    IDENTITIES = (("engine", "tenant"), ("api", "tenant"), ("admin", "admin"))
 
-    def __init__(self, workers: int = 2, *, model: str = "tiny-llama", model_seed: int = 0,
+    def __init__(self, workers: int = 2, *, model: str = "smollm2-135m", model_seed: int = 0,
                  block_size: int = 16, kv_memory: str = "64MiB", num_blocks: int = 0,
                  worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = (),
-                 secure: bool = True) -> None:
+                 secure: bool = True, http_port: int | None = None, api_args: tuple[str, ...] = ()) -> None:
         if workers < 1:
             raise ValueError(f"a stack needs at least one worker, got {workers}")
         self.secure = secure
@@ -195,6 +223,16 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.allocator: AllocatorProcess | None = None
         self.workers: list[WorkerProcess] = []
+        self.http_port, self.api_args = http_port, api_args
+        self.api: ApiProcess | None = None
+
+    @property
+    def api_key(self) -> str:
+        """The key a client of the stack's HTTP API sends (a secure stack's; else "")."""
+        if not self.secure or self._creds_dir is None:
+            return ""
+        path = Path(self.credentials_dir, "api-key")
+        return path.read_text().strip() if path.exists() else ""
 
     @property
     def target(self) -> str:
@@ -235,6 +273,12 @@ class Stack:
         make_certs(d, clients=[*workers, *self.IDENTITIES])
         fd = os.open(Path(d, "tokens"), os.O_WRONLY | os.O_CREAT, 0o600)
         os.close(fd)
+        if self.http_port is not None:
+            import secrets
+
+            fd = os.open(Path(d, "api-key"), os.O_WRONLY | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"kvs-{secrets.token_urlsafe(24)}\n")
 
     def _write_redis_urls(self) -> None:
         for name, url in (("redis-url", self.redis.tcp_url), ("redis-admin-url", self.redis.admin_url)):
@@ -277,6 +321,10 @@ class Stack:
                                                   env=self._client_env(f"worker-{i}")).start(wait=False))
             for w in self.workers:
                 w.wait_ready(timeout)
+            if self.http_port is not None:
+                args = ["--api-key-file", f"{self.credentials_dir}/api-key"] if self.secure else []
+                self.api = ApiProcess(self.target, *args, *self.api_args, env=self._client_env("api"),
+                                      port=self.http_port).start(timeout)
         except BaseException:
             self.stop()
             raise
@@ -291,8 +339,14 @@ class Stack:
         for w in self.workers:
             model = f", model {self.model} seed {self.model_seed}" if self.model else ""
             lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model}, metrics {w.metrics_url})")
+        if self.api:
+            lines.append(f"api        {self.api.url} (pid {self.api.proc.pid}, model {self.api.model}, "
+                         f"metrics http://127.0.0.1:{self.api.port}/metrics)")
         if self.secure and self._creds_dir is not None:
             d = self.credentials_dir
+            if self.api:
+                lines.append(f"HTTP API key in {d}/api-key: export OPENAI_API_KEY=$(cat {d}/api-key) "
+                             f"OPENAI_BASE_URL={self.api.url}")
             lines.append(f"TLS + auth credentials in {d}: a client presents the CA and a certificate, e.g.")
             lines.append(f"  export KVSERVICE_TLS_CA={d}/ca.pem KVSERVICE_CLIENT_CERT={d}/engine.pem "
                          f"KVSERVICE_CLIENT_KEY={d}/engine-key.pem   (tenant engine; admin.pem: admin)")
@@ -301,7 +355,10 @@ class Stack:
         return lines
 
     def stop(self) -> None:
-        """Stops the workers, the allocator and Redis (each only if it was started)."""
+        """Stops the API, the workers, the allocator and Redis (each only if it was started)."""
+        if self.api is not None:
+            self.api.stop()
+            self.api = None
         for w in self.workers:
             w.stop()
         self.workers = []
