@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
+
 import redis
 import pytest
 
@@ -111,6 +115,34 @@ def server(any_redis_url):
 def client(server):
     with Client(server.target, tenant="t1", lease_ttl=30.0) as c:
         yield c
+
+
+# SmolLM2 is converted once per run, into a model cache of the run (every worker process
+# the tests start inherits it); a KVSERVICE_MODEL_CACHE set by the caller is used as is.
+_MODEL_CACHE: tempfile.TemporaryDirectory | None = None
+
+
+def pytest_configure(config):
+    global _MODEL_CACHE
+    if not os.environ.get("KVSERVICE_MODEL_CACHE"):
+        _MODEL_CACHE = tempfile.TemporaryDirectory(prefix="kvs-models-")
+        os.environ["KVSERVICE_MODEL_CACHE"] = _MODEL_CACHE.name
+
+
+def pytest_unconfigure(config):
+    if _MODEL_CACHE is not None:
+        _MODEL_CACHE.cleanup()
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache():
+    """The converted SmolLM2 folder (converted here once per run, with progress)."""
+    from worker import weights
+
+    t0 = time.monotonic()
+    folder = weights.converted("smollm2-135m", progress=print)
+    print(f"SmolLM2 ready in {time.monotonic() - t0:.1f} s")
+    return folder
 
 
 def pytest_report_header(config):

