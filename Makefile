@@ -33,9 +33,9 @@ test: install
 demo: install
 	$(VENV)/bin/kvservice demo
 
-# A local deployment (Redis, an allocator, two model workers) until Ctrl-C.
+# A local deployment (Redis, an allocator, two SmolLM2 workers, the HTTP API on :8000) until Ctrl-C.
 up: install
-	$(VENV)/bin/kvservice up
+	$(VENV)/bin/kvservice up --http 8000
 
 bench: install
 	$(VENV)/bin/kvservice bench

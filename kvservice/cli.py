@@ -179,16 +179,20 @@ def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack(args.workers, model=args.model, model_seed=args.model_seed, block_size=args.block_size,
-                  kv_memory=args.kv_memory, num_blocks=args.num_blocks)
-    print(f"starting Redis, an allocator and {args.workers} worker(s) ...", flush=True)
+                  kv_memory=args.kv_memory, num_blocks=args.num_blocks, http_port=args.http)
+    print(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model}"
+          + (f", and the HTTP API on port {args.http}" if args.http is not None else "") + " ...", flush=True)
     try:
         stack.start()
         for line in stack.describe():
             print(f"  {line}", flush=True)
-        print(f"ready: point clients and engines at {stack.target}; Ctrl-C or SIGTERM stops everything",
-              flush=True)
+        print(f"ready: point clients and engines at {stack.target}"
+              + (f", OpenAI clients at {stack.api.url}" if stack.api else "")
+              + "; Ctrl-C or SIGTERM stops everything", flush=True)
         while not stop.wait(0.5):
             dead = [w.pool_id for w in stack.workers if w.proc.poll() is not None]
+            if stack.api is not None and stack.api.proc.poll() is not None:
+                dead.append("api")
             if stack.allocator.proc.poll() is not None or dead:
                 print(f"kvservice up: a process exited ({', '.join(dead) or 'allocator'}); stopping",
                       file=sys.stderr)
@@ -269,13 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("up", help="start an embedded Redis, an allocator and N model workers; run until Ctrl-C")
+    p = sub.add_parser("up", help="start an embedded Redis, an allocator, N model workers and, with --http, the "
+                                  "OpenAI-compatible HTTP API; run until Ctrl-C")
     p.add_argument("--workers", type=int, default=2, help="workers (pools) to start (default 2)")
-    p.add_argument("--model", default="tiny-llama", help="model preset every worker serves (default tiny-llama)")
-    p.add_argument("--model-seed", type=int, default=0, help="seed of the model's weights (default 0)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model preset every worker serves (default smollm2-135m, SmolLM2-135M-Instruct, converted "
+                        "into the model cache on first use; tiny-llama, small-llama: random weights from --model-seed)")
+    p.add_argument("--model-seed", type=int, default=0, help="seed of a seeded preset's weights (default 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per worker (overrides --kv-memory)")
+    p.add_argument("--http", type=int, default=None, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API on this port (kvservice api; 0: a free port), "
+                        "with an API key it prints")
     p.set_defaults(func=_up)
 
     from kvservice.api.server import add_arguments as api_arguments

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def test_embedded_servers_run_redis_6_2_or_newer(flavor):
 
 def test_cli_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "kvservice", "--help"], capture_output=True, text=True, check=True)
-    for cmd in ("serve", "audit", "bench", "demo"):
+    for cmd in ("serve", "up", "api", "audit", "bench", "limits", "demo"):
         assert cmd in out.stdout
     out = subprocess.run([sys.executable, "-m", "kvservice", "serve", "--help"], capture_output=True, text=True,
                          check=True)
@@ -79,13 +80,18 @@ def test_serve_rejects_bad_settings():
     assert out.returncode == 2 and "prefix_cache_scope" in out.stderr
 
 
-def test_demo_prints_its_report():
+def test_demo_prints_answers_in_text_and_its_report(smollm2_cache):
     out = subprocess.run([sys.executable, "-m", "kvservice", "demo"], capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stdout + out.stderr
+    answers, report = out.stdout.split("\nreport (")
+    assert "[r0] What is the capital of France?" in answers and "Paris" in answers.split("[r1]")[0]
+    cached = [int(c) for c in re.findall(r"(\d+) from the prefix cache", answers)]
+    assert len(cached) == 12 and sum(c > 0 for c in cached) >= 10      # two system prompts, shared
+    assert answers.count("4 samples") == 3 and "<|im_" not in answers
     for line in ("requests completed", "tokens generated", "KV blocks used at peak", "KV utilization at peak",
                  "prefix-cache hit tokens", "copy-on-write block copies", "memory saved by sharing"):
-        assert line in out.stdout, line
-    assert "16/16 done" in out.stderr          # progress
+        assert line in report, line
+    assert "12/12 done" in out.stderr          # progress
     assert "audit: ok; blocks in use after the run: 0" in out.stderr
 
 

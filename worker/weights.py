@@ -26,10 +26,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+if TYPE_CHECKING:     # torch and transformers are imported when weights are read
+    from transformers import LlamaForCausalLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ def converted(name: str, progress: Callable[[str], None] = _stderr) -> Path:
     """The cached folder of a pretrained preset, converted from its GGUF file first if
     the cache does not hold it yet."""
     final = cache_root() / name
-    if (final / "model.safetensors").is_file():
+    if is_converted(name):
         return final
     source = gguf_path(name)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +124,8 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def _from_gguf(path: Path) -> LlamaForCausalLM:
     """A Llama model with the de-quantized weights of a GGUF file (float32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     meta = load_gguf_checkpoint(str(path), return_tensors=False)
@@ -174,6 +176,38 @@ def tokenizer_files(name: str) -> TokenizerFiles | None:
 def load(name: str) -> LlamaForCausalLM:
     """A pretrained preset (float32, CPU, eval mode, eager attention), converted first if
     needed."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     folder = converted(name)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def is_converted(name: str) -> bool:
+    """Whether the cache holds a pretrained preset already."""
+    return (cache_root() / name / "model.safetensors").is_file()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m worker.weights NAME...``: converts pretrained presets into the cache
+    (with progress on stderr); prints each one's folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m worker.weights", description=(
+        "Convert pretrained model presets into the model cache ($KVSERVICE_MODEL_CACHE, default "
+        "~/.cache/kvservice/models), once; workers load them from there."))
+    parser.add_argument("names", nargs="+", choices=sorted(PRETRAINED), metavar="NAME",
+                        help=f"a pretrained preset ({', '.join(sorted(PRETRAINED))})")
+    args = parser.parse_args(argv)
+    try:
+        for name in args.names:
+            print(converted(name))
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,11 +1,14 @@
 """``kvservice demo``: a local stack (Redis, an allocator, model workers) and a batch of
-requests run by the continuous-batching engine, ending with a report.
+requests run by the continuous-batching engine, ending with the answers and a report.
 
-The workload is built to show what paging buys: requests share a few system prompts (the
-prefix cache serves them), some ask for four samples each (fork and copy-on-write share
-the prompt), and all run together on a small model (``tiny-llama``, random weights drawn
-from a seed) on the CPU. The engine uses the SDK's local mode (``--remote``: the Step
-path). Progress goes to stderr, the report to stdout.
+The workload is built to show what paging buys: requests share system prompts (the prefix
+cache serves them), some ask for four samples each (fork and copy-on-write share the
+prompt), and all run together. With the default model (``smollm2-135m``,
+SmolLM2-135M-Instruct on the CPU, converted into the model cache on first use) the
+requests are chats and the answers are printed as text with their cached prompt tokens;
+with a seeded preset (``tiny-llama``: random weights) they are random token ids. The
+engine uses the SDK's local mode (``--remote``: the Step path). Progress goes to stderr,
+the answers and the report to stdout.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ import argparse
 import json
 import random
 import sys
+import textwrap
 import time
 
-from kvservice.engine import Engine, Progress, Report, Request
+from kvservice.engine import Completion, Engine, Progress, Report, Request
+from kvservice.engine.text import Message, Tokenizer
 from kvservice.tools.launcher import Stack
-
-VOCAB = 512   # tiny-llama's vocabulary
 
 #: The report's figures, in order, with their labels and formats.
 FIGURES = (
@@ -32,23 +35,50 @@ FIGURES = (
     ("sharing_saving", "memory saved by sharing vs an unshared run", "{:.1%}"),
 )
 
+#: The chats' system prompts (each shared by several requests: prefix-cache hits).
+SYSTEMS = (
+    "You are a helpful assistant. Answer in one or two short sentences, in plain words. If you do not know "
+    "the answer, say so instead of guessing.",
+    "You are a friendly science teacher for children. Explain things simply and briefly, with one everyday "
+    "example, in at most two sentences.",
+)
+QUESTIONS = (
+    "What is the capital of France?", "Why is the sky blue?", "How many legs does a spider have?",
+    "What is the boiling point of water?", "Name three primary colours.", "What do bees make?",
+    "Why do we have seasons?", "What is a prime number?", "How far away is the Moon?",
+    "What is photosynthesis?", "Write a haiku about the sea.", "Suggest a name for a cat.",
+    "What is the largest planet?", "Why does ice float?", "What is gravity?", "Give me a tip for sleeping well.",
+)
 
-def workload(seed: int = 7, *, num_requests: int = 16, max_new_tokens: int = 24) -> list[Request]:
-    """Requests over three shared system prompts; every fourth asks for four samples.
 
-    Args:
-        seed: the seed of the token draws and of the sampling.
-        num_requests: how many requests.
-        max_new_tokens: tokens to generate per sample.
+def chat_workload(tokenizer: Tokenizer, seed: int = 7, *, num_requests: int = 12,
+                  max_new_tokens: int = 64) -> tuple[list[Request], list[str]]:
+    """Chats over the shared system prompts; every fourth asks for four samples.
 
     Returns:
-        The requests, greedy for n = 1 and at temperature 0.8 for n = 4.
+        The requests (greedy for n = 1, temperature 0.8 and top-p 0.95 for n = 4; each
+        ends at the model's end of sequence or after ``max_new_tokens``) and their
+        questions.
     """
+    requests, questions = [], []
+    for i in range(num_requests):
+        question = QUESTIONS[i % len(QUESTIONS)]
+        prompt = tokenizer.chat_prompt([Message("system", SYSTEMS[i % len(SYSTEMS)]), Message("user", question)])
+        n = 4 if i % 4 == 3 else 1
+        requests.append(Request(prompt, max_new_tokens=max_new_tokens, n=n, temperature=0.8 if n > 1 else 0.0,
+                                top_p=0.95 if n > 1 else 1.0, seed=seed * 100 + i, request_id=f"r{i}"))
+        questions.append(question)
+    return requests, questions
+
+
+def workload(seed: int = 7, *, num_requests: int = 16, max_new_tokens: int = 24, vocab: int = 512) -> list[Request]:
+    """Token-id requests for a model without a tokenizer: three shared random "system
+    prompts" and random user parts; every fourth asks for four samples."""
     rng = random.Random(seed)
-    systems = [[rng.randrange(VOCAB) for _ in range(length)] for length in (48, 40, 70)]
+    systems = [[rng.randrange(vocab) for _ in range(length)] for length in (48, 40, 70)]
     requests = []
     for i in range(num_requests):
-        user = [rng.randrange(VOCAB) for _ in range(rng.randrange(4, 40))]
+        user = [rng.randrange(vocab) for _ in range(rng.randrange(4, 40))]
         n = 4 if i % 4 == 3 else 1
         requests.append(Request(prompt=systems[i % 3] + user, max_new_tokens=max_new_tokens, n=n,
                                 temperature=0.8 if n > 1 else 0.0, seed=seed * 100 + i, request_id=f"r{i}"))
@@ -71,20 +101,42 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
+def format_answers(completions: list[Completion], questions: list[str], width: int = 100) -> str:
+    """Each chat's question and answer(s), with its cached prompt tokens."""
+    lines = []
+    for c, q in zip(completions, questions):
+        lines.append(f"[{c.request_id}] {q}  (prompt {c.num_prompt_tokens} tokens, {c.num_cached_tokens} from the "
+                     f"prefix cache{', 4 samples' if len(c.texts) > 1 else ''})")
+        for i, (text, reason) in enumerate(zip(c.texts, c.finish_reasons)):
+            mark = f"  {i + 1}." if len(c.texts) > 1 else "   "
+            body = " ".join(text.split()) + ("" if reason == "stop" else " [...]")
+            lines.extend(textwrap.wrap(body, width, initial_indent=f"{mark} ", subsequent_indent="     ") or [mark])
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Starts the stack, runs the workload, prints the report; returns the exit code."""
+    """Starts the stack, runs the workload, prints the answers and the report; returns
+    the exit code."""
     started = time.monotonic()
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
-    log(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model} ...")
+    log(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model} "
+        f"(each worker loads the model) ...")
     with Stack(args.workers, model=args.model, block_size=args.block_size, kv_memory=args.kv_memory,
                num_blocks=args.num_blocks) as stack:
+        log(f"stack up in {time.monotonic() - started:.1f} s:")
         for line in stack.describe():
             log(f"  {line}")
-        requests = workload(args.seed, num_requests=args.requests, max_new_tokens=args.max_new_tokens)
-        log(f"running {len(requests)} requests ({sum(r.n for r in requests)} samples) over "
-            f"{len({tuple(r.prompt[:40]) for r in requests})} shared system prompts ...")
         with Engine(stack.target, credentials=stack.credentials("engine"), progress=None if args.quiet else _progress,
                     local=not args.remote) as engine:
+            if engine.tokenizer is not None:
+                requests, questions = chat_workload(engine.tokenizer, args.seed, num_requests=args.requests,
+                                                    max_new_tokens=args.max_new_tokens)
+                shared = f"{min(len(SYSTEMS), len(requests))} shared system prompts"
+            else:
+                requests, questions = workload(args.seed, num_requests=args.requests,
+                                               max_new_tokens=args.max_new_tokens, vocab=engine.model.vocab_size), []
+                shared = "3 shared prompt prefixes"
+            log(f"running {len(requests)} requests ({sum(r.n for r in requests)} samples) over {shared} ...")
             report = engine.run(requests)
             audit = stack.audit()
             reserved = engine.client.reserved_blocks() if engine.local else 0
@@ -99,24 +151,33 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
+        if questions:
+            print("answers:")
+            print(format_answers(report.completions, questions))
+            print()
         print(f"report ({args.workers} worker(s), block size {args.block_size}):")
         print(format_report(report))
-        for c in report.completions[:3]:
-            print(f"  {c.request_id}: {len(c.outputs)} sample(s), first tokens {c.outputs[0][:8]} "
-                  f"(cached prompt tokens {c.num_cached_tokens})")
+        if not questions:
+            for c in report.completions[:3]:
+                print(f"  {c.request_id}: {len(c.outputs)} sample(s), first tokens {c.outputs[0][:8]} "
+                      f"(cached prompt tokens {c.num_cached_tokens})")
     return 0 if not report.failed and audit.ok and not in_use else 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` subcommand's flags."""
     parser.add_argument("--workers", type=int, default=2, help="workers (pools) to start (default 2)")
-    parser.add_argument("--model", default="tiny-llama", help="model preset the workers serve (default tiny-llama)")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="model preset the workers serve (default smollm2-135m: chats answered in text; "
+                             "tiny-llama: random weights, token ids)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
     parser.add_argument("--num-blocks", type=int, default=0,
                         help="KV blocks per worker (overrides --kv-memory; e.g. 20 shows preemption)")
-    parser.add_argument("--requests", type=int, default=16, help="requests in the workload (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per sample (default 24)")
+    parser.add_argument("--requests", type=int, default=12, help="requests in the workload (default 12)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens per sample at most (default 64; a chat answer ends earlier at its end of "
+                             "sequence)")
     parser.add_argument("--seed", type=int, default=7, help="seed of the workload and its sampling (default 7)")
     parser.add_argument("--remote", action="store_true",
                         help="the SDK's Step path: every ownership change of an engine step in one synchronous "

@@ -299,8 +299,9 @@ class Stack:
             if self.secure else {}
 
     def start(self, timeout: float = 120.0) -> "Stack":
-        """Makes the credentials (secure), starts Redis, then the allocator, then every
-        worker (in parallel); waits until all serve."""
+        """Makes the credentials (secure), starts Redis, then the allocator, converts a
+        pretrained model if the cache lacks it, then starts every worker (in parallel)
+        and the HTTP API if asked; waits until all serve."""
         try:
             if self.secure:
                 self._make_credentials()
@@ -309,6 +310,7 @@ class Stack:
                 self._write_redis_urls()
             self.allocator = AllocatorProcess(self.redis.url, args=(*self._server_args(),
                                                                     *self.allocator_args)).start(timeout)
+            self._convert_model()
             for i in range(self.num_workers):
                 args = ["--allocator", self.allocator.target, "--pool-id", f"worker-{i}",
                         "--block-size", str(self.block_size), "--kv-memory", self.kv_memory,
@@ -330,14 +332,29 @@ class Stack:
             raise
         return self
 
+    def _convert_model(self) -> None:
+        """A pretrained model is converted into the model cache once, before the workers
+        start (by ``python -m worker.weights``, whose progress goes to stderr), so that
+        they do not each convert it."""
+        from worker.weights import PRETRAINED, is_converted
+
+        if self.model in PRETRAINED and not is_converted(self.model):
+            print(f"model {self.model}: not in the model cache yet; converting it once (~30 s)",
+                  file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "-m", "worker.weights", self.model], check=True,
+                           stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
     def describe(self) -> list[str]:
         """One line per process: what it is and where it listens."""
         lines = [f"redis      {self.redis.where}" if self.redis else "redis      -"]
         if self.allocator:
             lines.append(f"allocator  {self.allocator.target} (pid {self.allocator.proc.pid}, "
                          f"metrics {self.allocator.metrics_url})")
+        from worker.weights import PRETRAINED
+
         for w in self.workers:
-            model = f", model {self.model} seed {self.model_seed}" if self.model else ""
+            model = (f", model {self.model}" + ("" if self.model in PRETRAINED else f" seed {self.model_seed}")
+                     if self.model else "")
             lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model}, metrics {w.metrics_url})")
         if self.api:
             lines.append(f"api        {self.api.url} (pid {self.api.proc.pid}, model {self.api.model}, "
