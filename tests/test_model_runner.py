@@ -268,10 +268,12 @@ def test_describe_reports_the_model(stub):
 TABLE = [3, 8]
 
 
-def fseq(tokens=(1, 2), start: int = 0, table=TABLE, slots=None, temperature: float = 0.0) -> pb.ForwardSequence:
+def fseq(tokens=(1, 2), start: int = 0, table=TABLE, slots=None, temperature: float = 0.0, top_p: float = 0.0,
+         top_k: int = 0) -> pb.ForwardSequence:
     slots = slots_of(list(table), start, start + len(tokens)) if slots is None else slots
     return pb.ForwardSequence(token_ids=list(tokens), start_position=start, block_table=list(table),
-                              slot_mapping=list(slots), sampling=pb.SamplingParams(temperature=temperature))
+                              slot_mapping=list(slots),
+                              sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k))
 
 
 def freq(*seqs: pb.ForwardSequence, copies=(), epoch: int = 1) -> pb.ForwardRequest:
@@ -304,6 +306,8 @@ BAD: list[tuple[str, Callable[[], pb.ForwardRequest], grpc.StatusCode, str]] = [
      "sequences[0].sampling.temperature must be finite and >= 0 (0: greedy), got -0.5"),
     ("temperature-nan", lambda: freq(fseq(temperature=float("nan"))), IA, "got nan"),
     ("temperature-inf", lambda: freq(fseq(temperature=float("inf"))), IA, "got inf"),
+    ("top-p-above-1", lambda: freq(fseq(top_p=1.5)), IA, "sequences[0].sampling.top_p must be in [0, 1] (0 or 1: off), got 1.5"),
+    ("top-k-negative", lambda: freq(fseq(top_k=-2)), IA, "sequences[0].sampling.top_k must be >= 0 (0: off), got -2"),
     ("copy-out-of-range", lambda: freq(copies=[(NUM_BLOCKS, 4)]), IA,
      f"copies[0].src = {NUM_BLOCKS} is out of range 0..{NUM_BLOCKS - 1}"),
     ("copy-dst-twice", lambda: freq(copies=[(1, 4), (2, 4)]), IA, "copies[1].dst = 4 is the destination of two"),
@@ -365,6 +369,28 @@ def test_sampling_formula_and_tiny_temperatures():
     gen = torch.Generator().manual_seed(sampling_seed(-3, 42))
     assert got[0] == int(torch.multinomial(torch.softmax(logits[0].double() / 0.8, -1), 1, generator=gen))
     assert got[1] == int(logits[1].argmax())
+
+
+def test_top_k_and_top_p_sample_only_from_the_kept_tokens():
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15], dtype=torch.float64)
+    logits = probs.log().float().unsqueeze(0)
+    kept = {}
+    for top_p, top_k in ((1.0, 2), (0.69, 0), (0.75, 0), (0.9, 3), (1.0, 1)):
+        seen = set()
+        for seed in range(200):
+            seen |= set(ModelRunner.sample(logits, [StepSequence([1], 0, [0], [0], 1.0, seed, top_p, top_k)]))
+        kept[(top_p, top_k)] = seen
+    assert kept[(1.0, 2)] == {1, 3}                 # the two most likely
+    assert kept[(0.69, 0)] == {1, 3}                # 0.4 + 0.3 reaches 0.69
+    assert kept[(0.75, 0)] == {1, 3, 4}             # ... 0.75 needs the third
+    assert kept[(0.9, 3)] == {1, 3, 4}              # top-k bounds the nucleus
+    assert kept[(1.0, 1)] == {1}                    # top-k 1 is greedy
+    # the draw is the one of the renormalised kept distribution, seeded as ever
+    got = ModelRunner.sample(logits, [StepSequence([1], 41, [0], [41], 1.0, 9, 1.0, 2)])
+    gen = torch.Generator().manual_seed(sampling_seed(9, 42))
+    want = torch.zeros(5, dtype=torch.float64)
+    want[[1, 3]] = torch.softmax(logits[0].double(), -1)[[1, 3]]
+    assert got == [int(torch.multinomial(want, 1, generator=gen))]
 
 
 def test_build_model_is_deterministic_and_offline():

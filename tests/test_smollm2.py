@@ -112,3 +112,36 @@ def test_describe_reports_the_pretrained_model(model):
     assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.vocab_size) == \
         (30, 9, 3, 64, 576, 49152)
     assert m.num_parameters == 134_515_008      # SmolLM2-135M, embeddings tied
+
+
+def test_describe_sends_the_tokenizer_when_asked_and_the_engine_renders_chats_as_transformers(cache, model):
+    import grpc
+    from transformers import AutoTokenizer
+    from worker_helpers import WorkerThread
+
+    from kvservice.engine.text import Message, Tokenizer as EngineTokenizer
+    from kvservice.v1 import worker_pb2 as pb
+    from kvservice.v1 import worker_pb2_grpc as pb_grpc
+
+    with WorkerThread(model_shape(model, 8, BS), model=model, model_name=NAME) as w, \
+            grpc.insecure_channel(w.target, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.WorkerStub(channel)
+        assert not stub.Describe(pb.DescribeWorkerRequest(), timeout=10).model.HasField("tokenizer")
+        m = stub.Describe(pb.DescribeWorkerRequest(include_tokenizer=True), timeout=10).model
+    assert list(m.tokenizer.eos_token_ids) == [2] and m.tokenizer.eos_token == "<|im_end|>"
+    assert m.max_position_embeddings == 8192
+    ours, theirs = EngineTokenizer.from_info(m.tokenizer), AutoTokenizer.from_pretrained(cache)
+    chats = [[Message("user", "Hi")],
+             [Message("system", "Be brief."), Message("user", "What is 2+2?")],
+             [Message("user", "Hello"), Message("assistant", "Hi! How can I help?"), Message("user", "Ünïcödé ✓")]]
+    for chat in chats:
+        messages = [{"role": x.role, "content": x.content} for x in chat]
+        assert ours.render_chat(chat) == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.chat_prompt(chat) == theirs.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    text = "Naïve café — 東京 🚀 costs $3.50"
+    ids = ours.encode(text)
+    assert ids == theirs(text)["input_ids"] and ours.decode(ids) == text
+    from kvservice.engine.text import Detokenizer
+
+    d = Detokenizer(ours, ours.encode("Say:"))
+    assert "".join(d.add(t) for t in ids) == text        # token by token, multi-byte characters whole
