@@ -145,3 +145,17 @@ def test_describe_sends_the_tokenizer_when_asked_and_the_engine_renders_chats_as
 
     d = Detokenizer(ours, ours.encode("Say:"))
     assert "".join(d.add(t) for t in ids) == text        # token by token, multi-byte characters whole
+
+
+def test_the_conversion_command_prints_the_cached_folder_and_refuses_other_names(cache):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "worker.weights", NAME], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == str(cache) and "converting" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "worker.weights", "tiny-llama"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "not a pretrained preset: tiny-llama" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "worker.weights", "--if-pretrained", "tiny-llama"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == ""

@@ -197,12 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.weights", description=(
         "Convert pretrained model presets into the model cache ($KVSERVICE_MODEL_CACHE, default "
         "~/.cache/kvservice/models), once; workers load them from there."))
-    parser.add_argument("names", nargs="+", choices=sorted(PRETRAINED), metavar="NAME",
+    parser.add_argument("names", nargs="+", metavar="NAME",
                         help=f"a pretrained preset ({', '.join(sorted(PRETRAINED))})")
+    parser.add_argument("--if-pretrained", action="store_true",
+                        help="skip names that are not pretrained presets (seeded ones need nothing) instead of "
+                             "refusing them")
     args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in PRETRAINED]
+    if unknown and not args.if_pretrained:
+        parser.error(f"not a pretrained preset: {', '.join(unknown)} (known: {', '.join(sorted(PRETRAINED))})")
     try:
         for name in args.names:
-            print(converted(name))
+            if name in PRETRAINED:
+                print(converted(name), flush=True)
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1

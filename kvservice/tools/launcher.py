@@ -225,6 +225,8 @@ class Stack:
         self.workers: list[WorkerProcess] = []
         self.http_port, self.api_args = http_port, api_args
         self.api: ApiProcess | None = None
+        #: Whether the model is a pretrained preset (known once started).
+        self.pretrained = False
 
     @property
     def api_key(self) -> str:
@@ -335,14 +337,12 @@ class Stack:
     def _convert_model(self) -> None:
         """A pretrained model is converted into the model cache once, before the workers
         start (by ``python -m worker.weights``, whose progress goes to stderr), so that
-        they do not each convert it."""
-        from worker.weights import PRETRAINED, is_converted
-
-        if self.model in PRETRAINED and not is_converted(self.model):
-            print(f"model {self.model}: not in the model cache yet; converting it once (~30 s)",
-                  file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "-m", "worker.weights", self.model], check=True,
-                           stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        they do not each convert it; a seeded preset needs nothing."""
+        if not self.model:
+            return
+        out = subprocess.run([sys.executable, "-m", "worker.weights", "--if-pretrained", self.model], check=True,
+                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.pretrained = bool(out.stdout.strip())
 
     def describe(self) -> list[str]:
         """One line per process: what it is and where it listens."""
@@ -350,10 +350,8 @@ class Stack:
         if self.allocator:
             lines.append(f"allocator  {self.allocator.target} (pid {self.allocator.proc.pid}, "
                          f"metrics {self.allocator.metrics_url})")
-        from worker.weights import PRETRAINED
-
         for w in self.workers:
-            model = (f", model {self.model}" + ("" if self.model in PRETRAINED else f" seed {self.model_seed}")
+            model = (f", model {self.model}" + ("" if self.pretrained else f" seed {self.model_seed}")
                      if self.model else "")
             lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model}, metrics {w.metrics_url})")
         if self.api:
