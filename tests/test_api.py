@@ -193,6 +193,34 @@ def test_a_stream_closed_by_its_client_is_cancelled_and_its_blocks_freed(api, st
     assert 'kvservice_api_requests_total{endpoint="completions",status="499"} 1.0' in metrics
 
 
+def test_a_request_that_cannot_wait_gets_429(stack):
+    """A second API process (its own lease) that runs one sequence at a time and lets one
+    request wait: a third request is refused at once, with Retry-After."""
+    from kvservice.tools.launcher import ApiProcess
+
+    with ApiProcess(stack.target, "--max-num-seqs", "1", "--max-waiting", "1",
+                    env=stack._client_env("api")) as narrow, \
+            openai.OpenAI(base_url=narrow.url, api_key="none", max_retries=0, timeout=120) as client:
+        ask = dict(model=MODEL, prompt="Count: one, two, three,", temperature=0, extra_body={"ignore_eos": True})
+        first = client.completions.create(max_tokens=120, stream=True, **ask)
+        next(iter(first))                                     # running: it holds the one sequence
+        second: list = []
+        waiter = threading.Thread(target=lambda: second.append(client.completions.create(max_tokens=4, **ask)))
+        waiter.start()
+
+        def waiting() -> float:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{narrow.port}/metrics", timeout=10).read().decode()
+            return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvservice_api_requests_waiting"))
+        assert _wait_for(lambda: waiting() == 1)
+        with pytest.raises(openai.RateLimitError) as exc:
+            client.completions.create(max_tokens=4, **ask)
+        assert exc.value.status_code == 429 and exc.value.body["code"] == "rate_limit_exceeded"
+        assert exc.value.response.headers["retry-after"] == "1"
+        rest = "".join(c.choices[0].text for c in first)
+        waiter.join(120)
+        assert rest and second and second[0].choices[0].finish_reason == "length"
+
+
 def test_concurrent_requests_are_batched_and_all_answered(api):
     results: list = [None] * 6
 
