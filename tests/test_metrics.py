@@ -82,7 +82,7 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up():
-    u = Up("--workers", "2", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BS))
+    u = Up("--workers", "2", "--model", "tiny-llama", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BS))
     try:
         yield u
     finally:

@@ -3,7 +3,8 @@
 ``deploy/prometheus/prometheus.yml`` is loaded as it ships; only its scrape targets (the
 compose names) become the local processes' metrics ports, and the intervals 1 s. Then
 the pool series that Prometheus stores must equal what the allocator reports, the
-workers' series must be there, every query of the shipped dashboard must return data,
+workers' and the HTTP API's series must be there, every query of the shipped dashboard
+must return data,
 every shipped rule must evaluate without error and every query of docs/operations.md
 must run.
 
@@ -118,7 +119,8 @@ def local_config(stack: Stack, path: Path) -> Path:
     """The shipped configuration with the local metrics ports as targets and 1 s intervals."""
     config = yaml.safe_load(PROMETHEUS.read_text())
     targets = {"kvservice-allocator": [f"127.0.0.1:{stack.allocator.metrics_port}"],
-               "kvservice-worker": [f"127.0.0.1:{w.metrics_port}" for w in stack.workers]}
+               "kvservice-worker": [f"127.0.0.1:{w.metrics_port}" for w in stack.workers],
+               "kvservice-api": [f"127.0.0.1:{stack.api.port}"]}
     jobs = [job["job_name"] for job in config["scrape_configs"]]
     assert sorted(jobs) == sorted(targets), f"the shipped configuration has the jobs {jobs}"
     for job in config["scrape_configs"]:
@@ -130,9 +132,19 @@ def local_config(stack: Stack, path: Path) -> Path:
     return path
 
 
+def _complete_over_http(stack: Stack, prompt: list[int], max_tokens: int) -> dict:
+    """One /v1/completions call to the stack's HTTP API (token ids: tiny-llama has no tokenizer)."""
+    body = json.dumps({"model": stack.api.model, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(f"{stack.api.url}/completions", data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {stack.api_key}"})
+    with urllib.request.urlopen(req, timeout=60) as reply:
+        return json.loads(reply.read())
+
+
 def run_workload(stack: Stack) -> None:
     """Shared prompts (prefix-cache hits), parallel samples (fork and copy-on-write), and
-    model steps on the workers; everything is freed at the end."""
+    model steps on the workers; the same prompts through the HTTP API; everything is freed
+    at the end."""
     rng = random.Random(7)
     system = [rng.randrange(512) for _ in range(40)]
     requests = [Request(system + [rng.randrange(512) for _ in range(rng.randrange(3, 20))],
@@ -141,6 +153,9 @@ def run_workload(stack: Stack) -> None:
     with Engine(stack.target, credentials=stack.credentials()) as engine:
         engine.run(requests)
         engine.run(requests[:3])
+    for r in requests[:3]:
+        reply = _complete_over_http(stack, r.prompt, 4)
+        assert reply["usage"]["completion_tokens"] == 4, reply
 
 
 @pytest.fixture(scope="module")
@@ -148,12 +163,13 @@ def scraped(tmp_path_factory):
     """A stack that ran a workload and holds one sequence in each pool, scraped by a
     Prometheus; yields (stack, prometheus, the pools' stats from the allocator)."""
     tmp = tmp_path_factory.mktemp("prometheus")
-    stack = Stack(2, model="tiny-llama", num_blocks=64)
+    stack = Stack(2, model="tiny-llama", num_blocks=64, http_port=0)
     prom = client = None
     try:
         stack.start()
         assert stack.allocator.metrics_port > 0, "the allocator serves no /metrics"
         assert all(w.metrics_port > 0 for w in stack.workers), "a worker serves no /metrics"
+        assert stack.api is not None and stack.api_key, "the stack serves no HTTP API (with a key)"
         prom = Prometheus(local_config(stack, tmp / "prometheus.yml"), tmp / "data", tmp / "prometheus.log")
         prom.wait("prometheus ready", lambda: (prom.get("/-/ready") is not None, "not ready"))
         run_workload(stack)
@@ -215,6 +231,20 @@ def test_worker_metrics_reach_prometheus(scraped):
     assert tokens and float(tokens[0]["value"][1]) > 0, tokens
     forward = prom.query('sum(kvservice_rpc_duration_seconds_count{service="kvservice.v1.Worker", method="Forward"})')
     assert forward and float(forward[0]["value"][1]) > 0, forward
+
+
+def test_api_metrics_reach_prometheus(scraped):
+    _, prom, _ = scraped
+    got = prom.wait("kvservice_api_requests_total of the HTTP completions", lambda: (
+        (got := {(r["metric"]["endpoint"], r["metric"]["status"]): float(r["value"][1])
+                 for r in prom.query("sum by (endpoint, status) (kvservice_api_requests_total)")})
+        .get(("completions", "200"), 0) >= 3, got))
+    assert set(got) == {("completions", "200")}, got
+    tokens = prom.query("sum(kvservice_api_generation_tokens_total)")
+    assert tokens and float(tokens[0]["value"][1]) == 12, tokens
+    assert prom.query('sum(kvservice_api_time_to_first_token_seconds_count{endpoint="completions"})')
+    waiting = prom.query("sum(kvservice_api_requests_waiting)")
+    assert waiting and float(waiting[0]["value"][1]) == 0, waiting
 
 
 def _dashboard_queries() -> list[tuple[str, str]]:

