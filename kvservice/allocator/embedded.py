@@ -21,6 +21,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -195,9 +196,9 @@ class EmbeddedRedis:
                 "--appendfsync", self.fsync,
                 "--maxmemory-policy", "noeviction", "--daemonize", "no", "--loglevel", "warning",
                 "--logfile", os.path.join(self._dir.name, "redis.log")]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -248,16 +249,21 @@ class EmbeddedRedis:
         self.stop()
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: on Linux, ask for SIGTERM when the parent dies, so a
-    private Redis never outlives a process killed with SIGKILL."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+#: Run by a fresh Python before it becomes the server (``execv``, same pid): on Linux, ask
+#: for SIGTERM when the parent dies, so a private Redis never outlives a process killed
+#: with SIGKILL. (A ``preexec_fn`` would do the same in the forked child, but running
+#: Python code between fork and exec in a process with threads can crash the child.)
+_DIE_WITH_PARENT = """
+import os, signal, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)   # the parent died before the request took effect
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 def _command(*parts: str) -> bytes:

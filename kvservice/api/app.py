@@ -238,20 +238,26 @@ def _usage(c: Completion) -> dict:
 
 async def _wait(handle, events: asyncio.Queue, timing, http: HttpRequest) -> Completion:
     """The completion; the request is cancelled if the client goes away meanwhile."""
+    getter: asyncio.Future | None = None
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(events.get(), timeout=1.0)
-            except asyncio.TimeoutError:
+            if getter is None:
+                getter = asyncio.ensure_future(events.get())
+            done, _ = await asyncio.wait({getter}, timeout=1.0)
+            if not done:
                 if await http.is_disconnected():
                     handle.cancel()
                 continue
+            event, getter = getter.result(), None
             if isinstance(event, Completion):
                 return event
             timing.output(event)
     except asyncio.CancelledError:
         handle.cancel()
         raise
+    finally:
+        if getter is not None:
+            getter.cancel()
 
 
 def _sse(payload: Any) -> str:

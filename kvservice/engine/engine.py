@@ -237,7 +237,10 @@ class Handle:
         if isinstance(event, Completion):
             self._completion = event
             self._done.set()
-        self._on_event(event)
+        try:
+            self._on_event(event)
+        except Exception:   # the caller's callback: it must not stop the loop
+            log.exception("on_event of request %r failed", self.request.request_id)
 
     def events(self, timeout: float | None = None) -> Iterator[Output]:
         """The request's outputs in order, until its end (without ``on_event`` only).
@@ -569,7 +572,10 @@ class Engine:
         self._take_inbox(jobs)
         for job in jobs.values():
             job.cancelled = True
-        self._cancel_ready(force=True)
+        try:
+            self._cancel_ready(force=True)
+        except Exception:   # the lease is revoked on close all the same
+            log.exception("freeing the last sequences failed")
 
     def _take_inbox(self, jobs: dict) -> None:
         while True:
