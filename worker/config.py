@@ -53,6 +53,10 @@ class WorkerSettings(EnvSettings):
     dtype: str = "auto"
     #: "auto": cuda:0 when CUDA (and CuPy) are available, else cpu.
     device: str = "auto"
+    #: torch's CPU threads (the model on a CPU; 0: torch's default, one per core). Workers
+    #: sharing a host share its cores: give each its part (kvservice up does), or their
+    #: threads oversubscribe the cores and every step slows down several times.
+    torch_threads: int = 0
     #: Seconds between heartbeats to the allocator.
     heartbeat_interval: float = 2.0
     #: Give up registering after this many seconds (0: keep trying).
@@ -88,6 +92,8 @@ class WorkerSettings(EnvSettings):
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:<n>, got {self.device!r}")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0 (0: torch's default), got {self.torch_threads}")
         check_positive(self, "heartbeat_interval")
         check_positive(self, "register_timeout", allow_zero=True)
 

@@ -220,6 +220,10 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         tls.credentials()
     credentials = ClientCredentials.from_env()
     fence = LeaseFence()
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     runner = None
     if settings.model:
         from worker.model import ModelRunner, build_model

@@ -227,6 +227,9 @@ class Stack:
         self.api: ApiProcess | None = None
         #: Whether the model is a pretrained preset (known once started).
         self.pretrained = False
+        #: Each worker's torch threads: the host's cores shared out (threads of several
+        #: workers on the same cores slow every step down several times).
+        self.torch_threads = max(1, (os.cpu_count() or 1) // workers)
 
     @property
     def api_key(self) -> str:
@@ -316,7 +319,8 @@ class Stack:
             for i in range(self.num_workers):
                 args = ["--allocator", self.allocator.target, "--pool-id", f"worker-{i}",
                         "--block-size", str(self.block_size), "--kv-memory", self.kv_memory,
-                        "--heartbeat-interval", "1", *self._server_args()]
+                        "--heartbeat-interval", "1", "--torch-threads", str(self.torch_threads),
+                        *self._server_args()]
                 if self.model:
                     args += ["--model", self.model, "--model-seed", str(self.model_seed)]
                 if self.num_blocks:
