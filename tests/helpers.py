@@ -273,3 +273,24 @@ def keyspace(url: str) -> dict[bytes, bytes]:
         return {k: r.dump(k) for k in sorted(r.keys("*"))}
     finally:
         r.close()
+
+
+def used_blocks(stack) -> int:
+    """Blocks in block tables over a ``Stack``'s pools, as the allocator counts them
+    (asked as the stack's admin)."""
+    from kvservice.client import Client
+
+    with Client(stack.target, credentials=stack.credentials("admin")) as admin:
+        return sum(admin.pool_stats(w.pool_id).num_used_blocks for w in stack.workers)
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    """Polls ``predicate`` every 50 ms until it holds or ``timeout`` passes; its last value."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())

@@ -14,8 +14,8 @@ import urllib.request
 
 import openai
 import pytest
+from helpers import used_blocks, wait_for
 
-from kvservice.client import Client
 from kvservice.tools.launcher import Stack
 
 MODEL = "smollm2-135m"
@@ -162,22 +162,8 @@ def test_an_unknown_model_is_404_and_a_missing_key_401(api, stack):
     assert _http(stack, "GET", "/health", key="")[0] == 200      # health and metrics need no key
 
 
-def _used_blocks(stack) -> int:
-    with Client(stack.target, credentials=stack.credentials("admin")) as admin:
-        return sum(admin.pool_stats(w.pool_id).num_used_blocks for w in stack.workers)
-
-
-def _wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_a_stream_closed_by_its_client_is_cancelled_and_its_blocks_freed(api, stack):
-    assert _wait_for(lambda: _used_blocks(stack) == 0)       # the other tests' requests are done
+    assert wait_for(lambda: used_blocks(stack) == 0)       # the other tests' requests are done
     stream = api.completions.create(model=MODEL, prompt="Count from one to a thousand: one, two, three,",
                                     max_tokens=500, temperature=0, stream=True, extra_body={"ignore_eos": True})
     got = []
@@ -185,10 +171,10 @@ def test_a_stream_closed_by_its_client_is_cancelled_and_its_blocks_freed(api, st
         got.append(chunk.choices[0].text)
         if len(got) == 3:
             break
-    held = _used_blocks(stack)
+    held = used_blocks(stack)
     assert held > 0
     stream.close()                                            # the client goes away mid-stream
-    assert _wait_for(lambda: _used_blocks(stack) == 0), _used_blocks(stack)
+    assert wait_for(lambda: used_blocks(stack) == 0), used_blocks(stack)
     metrics = _http(stack, "GET", "/metrics")[1].decode()
     assert 'kvservice_api_requests_total{endpoint="completions",status="499"} 1.0' in metrics
 
@@ -211,7 +197,7 @@ def test_a_request_that_cannot_wait_gets_429(stack):
         def waiting() -> float:
             text = urllib.request.urlopen(f"http://127.0.0.1:{narrow.port}/metrics", timeout=10).read().decode()
             return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvservice_api_requests_waiting"))
-        assert _wait_for(lambda: waiting() == 1)
+        assert wait_for(lambda: waiting() == 1)
         with pytest.raises(openai.RateLimitError) as exc:
             client.completions.create(max_tokens=4, **ask)
         assert exc.value.status_code == 429 and exc.value.body["code"] == "rate_limit_exceeded"

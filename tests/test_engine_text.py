@@ -5,13 +5,12 @@ stream, cancel: the blocks come back)."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import pytest
+from helpers import used_blocks, wait_for
 import torch
 
-from kvservice.client import Client
 from kvservice.engine import Engine, EngineBusy, Request, RequestError
 from kvservice.engine.text import Message, StopMatcher
 from kvservice.tools.launcher import Stack
@@ -139,37 +138,23 @@ def test_sampling_with_top_p_top_k_and_a_seed_is_reproducible_and_batch_independ
     assert k1 == greedy
 
 
-def _used_blocks(stack) -> int:
-    with Client(stack.target, credentials=stack.credentials("admin")) as admin:
-        return sum(admin.pool_stats(w.pool_id).num_used_blocks for w in stack.workers)
-
-
-def _wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_online_submit_streams_outputs_and_cancel_frees_the_blocks(stack):
     with Engine(stack.target, credentials=stack.credentials("engine")) as e:
         e.start()
         with pytest.raises(RuntimeError, match="loop serves"):
             e.run([])
-        before = _used_blocks(stack)
+        before = used_blocks(stack)
         prompt = e.tokenizer.encode("Count from one to one thousand: one, two, three,")
         h = e.submit(Request(prompt * 4, max_new_tokens=400, ignore_eos=True))
         events = h.events(timeout=30)
         first = [next(events) for _ in range(3)]
         assert all(len(o.token_ids) == 1 and o.finish_reason is None for o in first)
         assert not h.done
-        assert _wait_for(lambda: _used_blocks(stack) > before)     # the request holds blocks now
+        assert wait_for(lambda: used_blocks(stack) > before)     # the request holds blocks now
         h.cancel()
         c = h.result(timeout=30)
         assert c.finish_reasons == ["cancelled"] and 3 <= len(c.outputs[0]) < 400
-        assert _wait_for(lambda: _used_blocks(stack) == before), (before, _used_blocks(stack))
+        assert wait_for(lambda: used_blocks(stack) == before), (before, used_blocks(stack))
         assert e.report.cancelled == 1
         # a request submitted after goes through as usual
         c = e.submit(Request(prompt, max_new_tokens=4, ignore_eos=True)).result(timeout=60)
@@ -186,7 +171,7 @@ def test_submit_refuses_what_cannot_be_served_and_what_cannot_wait(stack):
             e.submit(Request([10**6], max_new_tokens=4))
         assert exc.value.field == "prompt"
         running = e.submit(Request([504, 3575], max_new_tokens=60, ignore_eos=True))
-        assert _wait_for(lambda: e.num_running == 1)
+        assert wait_for(lambda: e.num_running == 1)
         waiting = e.submit(Request([504, 3575], max_new_tokens=4, ignore_eos=True))
         with pytest.raises(EngineBusy, match="wait for KV blocks"):
             e.submit(Request([504], max_new_tokens=4))

@@ -56,26 +56,18 @@ class Sampling(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
     @classmethod
-    def _penalty(cls, v):
-        if v != 0:
-            raise ValueError("penalties are not supported (only 0)")
-        return v
+    def _neutral(cls, v, info):
+        return _unsupported(v, info.field_name)
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+def _unsupported(value, name: str):
+    """Passes a field OpenAI defines and the engine does not implement only at its
+    neutral value (0, empty, false, 1 for best_of)."""
+    if value and not (name == "best_of" and value == 1):
+        raise ValueError(f"{name} is not supported")
+    return value
 
 
 class CompletionRequest(Sampling):
@@ -101,26 +93,10 @@ class CompletionRequest(Sampling):
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", "best_of", "suffix")
     @classmethod
-    def _echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("best_of is not supported (only 1)")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    def _neutral_too(cls, v, info):
+        return _unsupported(v, info.field_name)
 
 
 class TextPart(BaseModel):
@@ -150,7 +126,5 @@ class ChatCompletionRequest(Sampling):
 
     @field_validator("tools")
     @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    def _no_tools(cls, v, info):
+        return _unsupported(v, info.field_name)

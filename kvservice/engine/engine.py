@@ -609,10 +609,7 @@ class Engine:
     def _end(self, job: _Job, reason: str) -> None:
         """Ends a job's unfinished samples with ``reason``; their sequences are freed next step."""
         for b in job.branches:
-            if b.seq is not None:
-                if not b.seq.freed:
-                    self._to_free.append(b.seq)
-                b.seq = None
+            self._release(b)
             if b.state != DONE:
                 b.state, b.finish = DONE, reason
                 if job.handle is not None:
@@ -820,14 +817,18 @@ class Engine:
         self._to_free = [s for s in self._to_free if s.id not in lost]
         self._live = {sid: s for sid, s in self._live.items() if sid not in lost}
 
+    def _release(self, b: _Branch) -> None:
+        """Detaches a branch's sequence, to be freed next step."""
+        if b.seq is not None:
+            if not b.seq.freed:
+                self._to_free.append(b.seq)
+            b.seq = None
+
     def _requeue(self, job: _Job) -> None:
         """Frees (next step) a running request's sequences and puts it first in line, to
         be recomputed from its tokens so far."""
         for b in job.branches:
-            if b.seq is not None:
-                if not b.seq.freed:
-                    self._to_free.append(b.seq)
-                b.seq = None
+            self._release(b)
             if b.state != DONE:
                 b.state = WAIT
         job.preemptions += 1
