@@ -85,3 +85,53 @@ def test_a_killed_primary_is_replaced_by_its_replica_and_no_write_is_lost(cluste
             assert time.monotonic() < deadline, (cluster.primaries(), cluster.replicas())
             time.sleep(0.1)
         assert len(cluster.primaries()) == 3
+
+
+# ------------------------------------------------------------------ the allocator on it
+
+
+@pytest.fixture(scope="module")
+def on_cluster():
+    """An allocator process over a secure 3-primary cluster (Redis 6.2), detected as one."""
+    from kvservice.tools.launcher import AllocatorProcess
+
+    with EmbeddedCluster(3, 1, flavor=FLAVORS[0], secure=True) as c, AllocatorProcess(c.url) as a:
+        assert "Redis Cluster at" in a.log()
+        yield c, a
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local", "remote"])
+def test_pools_spread_over_the_shards_serve_creates_forks_and_frees_and_the_audit_is_clean(on_cluster, local):
+    from kvservice.client import Client
+    from kvservice.v1 import allocator_pb2 as pb
+
+    cluster, allocator = on_cluster
+    mode = "local" if local else "remote"
+    pools = [f"{mode}-{i}" for i in range(6)]
+    with Client(allocator.target, tenant="t", lease_ttl=10.0, local=local) as c:
+        for p in pools:
+            c.register_pool(p, num_blocks=256, block_size=16)
+        with RedisCluster.from_url(cluster.admin_url) as rc:
+            homes = {rc.get_node_from_key(f"kvs:{{{p}}}:meta").name for p in pools}
+        assert len(homes) >= 2, homes                      # the pools live on several shards
+        listed = {p.pool_id for p in c.pools()}
+        assert set(pools) <= listed
+        seqs = [c.create(list(range(40 + i)), pool=p) for i, p in enumerate(pools)]
+        for _ in range(20):                                # one step over every pool, 20 times
+            c.step({s: [7] for s in seqs})
+        kids = c.step({}, forks={s: [[1], [2]] for s in seqs}).children
+        cached = c.create(list(range(40)), pool=pools[0])  # the prefix cache, on its shard
+        assert cached.num_cached_tokens == 32
+        c.flush()
+        audit = c.stub.Audit(pb.AuditRequest(), timeout=30)
+        assert audit.ok, list(audit.problems)
+        used = {p.pool_id: p.num_used_blocks for p in audit.pools if p.pool_id in pools}
+        assert all(n > 0 for n in used.values()), used
+        for s in seqs:                                     # client and allocator agree on every table
+            got = c.stub.GetSequence(pb.GetSequenceRequest(sequence_id=s.id), timeout=10)
+            assert list(got.block_table) == s.block_table and got.pool_id == s.pool
+        c.step({}, frees=[*seqs, cached, *(k for ks in kids.values() for k in ks)])
+        c.flush()
+        audit = c.stub.Audit(pb.AuditRequest(), timeout=30)
+        assert audit.ok and all(p.num_used_blocks == 0 for p in audit.pools if p.pool_id in pools)
+    assert "Redis unreachable" not in allocator.log() and "Traceback" not in allocator.log()

@@ -30,6 +30,9 @@ class Settings(EnvSettings):
     #: ``redis_pool_timeout`` seconds for one (then UNAVAILABLE).
     redis_max_connections: int = 64
     redis_pool_timeout: float = 10.0
+    #: "auto": a Redis Cluster client when the URL's server is a cluster node (it answers
+    #: CLUSTER SLOTS); "on" / "off" to say so.
+    redis_cluster: str = "auto"
     #: The largest request or reply, in MiB (a larger request is refused before it is read).
     max_message_mb: int = 16
     #: Seconds between sweeps of expired leases.
@@ -115,6 +118,8 @@ class Settings(EnvSettings):
     def __post_init__(self) -> None:
         check_ports(self)
         check_server_security(self, "the allocator")
+        if self.redis_cluster not in ("auto", "on", "off"):
+            raise ValueError(f"redis_cluster must be auto, on or off, got {self.redis_cluster!r}")
         if self.prefix_cache_scope not in ("tenant", "global"):
             raise ValueError(f"prefix_cache_scope must be 'tenant' or 'global', got {self.prefix_cache_scope!r}")
         cache_groups(self.prefix_cache_groups)

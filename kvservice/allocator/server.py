@@ -16,7 +16,7 @@ from kvservice.allocator.core import Allocator
 from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.allocator.metrics import AllocatorMetrics
 from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
-from kvservice.allocator.store import Store, connect, redacted
+from kvservice.allocator.store import Store, connect, is_cluster, redacted
 from kvservice.common.auth import AuthInterceptor, TokenFile
 from kvservice.common.grpc import build_server, write_port_file
 from kvservice.common.interceptor import ErrorInterceptor
@@ -93,7 +93,11 @@ async def running(settings: Settings):
         embedded = EmbeddedRedis(secure=True).start()
         url = embedded.url
         log.info("embedded Redis %s at %s", embedded.version(), embedded.where)
-    store = Store(connect(url, settings.redis_max_connections, settings.redis_pool_timeout))
+    cluster = settings.redis_cluster == "on" or (settings.redis_cluster == "auto" and not url.startswith("unix:")
+                                                 and is_cluster(url))
+    if cluster:
+        log.info("Redis Cluster at %s", redacted(url))
+    store = Store(connect(url, settings.redis_max_connections, settings.redis_pool_timeout, cluster=cluster))
     allocator = Allocator(store, settings)
     metrics = http = None
     if settings.metrics_port >= 0:

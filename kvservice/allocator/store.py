@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Iterable
 
 import redis.asyncio as aioredis
+from redis.exceptions import ClusterError as RedisClusterError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -51,11 +52,31 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, **kwargs: Any) -> aioredis.Redis:
+def is_cluster(url: str) -> bool:
+    """Whether the Redis at ``url`` is a node of a Redis Cluster (it answers CLUSTER SLOTS)."""
+    import redis as sync_redis
+
+    with sync_redis.Redis.from_url(url, socket_timeout=5) as r:
+        try:
+            r.execute_command("CLUSTER", "SLOTS")
+            return True
+        except ResponseError as exc:
+            if "cluster support disabled" in str(exc).lower() or "cluster mode" in str(exc).lower():
+                return False
+            raise
+
+
+def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, *, cluster: bool = False,
+            **kwargs: Any) -> aioredis.Redis:
     """An asyncio Redis client for ``redis://``, ``rediss://`` or ``unix://`` URLs, over at
     most ``max_connections`` connections: a call that finds none free waits for one (up
     to ``pool_timeout`` seconds), instead of failing at once as redis-py's default pool
-    does past 100."""
+    does past 100. ``cluster``: a Redis Cluster client (``url`` names one node; the others
+    are discovered), at most ``max_connections`` per node."""
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, max_connections=max_connections, decode_responses=False, **kwargs)
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout,
                                                     decode_responses=False, health_check_interval=30, **kwargs)
     return aioredis.Redis(connection_pool=pool)
@@ -66,6 +87,9 @@ class Store:
 
     def __init__(self, redis: aioredis.Redis, observe: Callable[[str, float], None] | None = None) -> None:
         self.redis = redis
+        #: A Redis Cluster: calls of several pools run concurrently, never in one pipeline
+        #: (their keys hash to different slots).
+        self.cluster = type(redis).__name__ == "RedisCluster"
         #: Called with (script name, seconds) after every script call (metrics hook).
         self.observe = observe
         self._scripts = {name: redis.register_script(s.source) for name, s in lua.SCRIPTS.items()}
@@ -94,6 +118,8 @@ class Store:
         """Calls of one script in one pipeline; each reply decoded, or the exception it
         raised (a lost connection raises at once). Each call is observed with the
         pipeline's time."""
+        if self.cluster:
+            return await self._concurrent(name, calls, internal=internal)
         script = self._scripts[name]
         start = time.perf_counter()
         try:
@@ -121,6 +147,17 @@ class Store:
                     out.append(exc)
         return out
 
+    async def _concurrent(self, name: str, calls: list[tuple[list[str], dict[str, Any]]], *,
+                          internal: tuple[str, ...] = ()) -> list[dict[str, Any] | Exception]:
+        """``_pipelined`` on a Redis Cluster: each call on its own, all at once; a lost
+        connection (or a cluster error) raises, as a pipeline's would."""
+        results = await asyncio.gather(*(self._call(name, k, p, internal=internal) for k, p in calls),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, (RedisConnectionError, RedisTimeoutError, RedisClusterError)):
+                raise r
+        return list(results)
+
     # ------------------------------------------------------------ pool scripts
 
     @staticmethod
@@ -135,10 +172,15 @@ class Store:
         return reply["pool"]
 
     async def register_pool(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Registers a pool and adds it to the registry, in one script (``register_pool.lua``)."""
+        """Registers a pool and adds it to the registry, in one script (``register_pool.lua``);
+        on a Redis Cluster the registry (another slot) is added to after the script."""
         pool_id = payload["pool"]
-        return await self._call("register_pool", self._pool_args(pool_id, payload["request_id"]) + [keys.POOLS],
-                                payload)
+        args = self._pool_args(pool_id, payload["request_id"])
+        if not self.cluster:
+            return await self._call("register_pool", args + [keys.POOLS], payload)
+        reply = await self._call("register_pool", args, payload)
+        await self.redis.sadd(keys.POOLS, pool_id)
+        return reply
 
     async def step(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
         """Runs one step script per pool (pipelined); returns each pool's reply or error

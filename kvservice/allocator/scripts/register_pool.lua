@@ -1,9 +1,11 @@
 --- register_pool: registers a pool, or re-registers it: a new epoch, and every block of
---- the old epoch free again (its sequences, cache entries and leases are dropped). The
---- pool joins the registry in the same script, so a refused registration leaves no trace.
+--- the old epoch free again (its sequences, cache entries and leases are dropped). On one
+--- Redis the pool joins the registry in the same script, so a refused registration leaves
+--- no trace; on a Redis Cluster the registry is on another slot, and the store adds the
+--- pool to it after the script succeeded (KEYS[18] absent).
 ---
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key;
---- KEYS[18]: the pool registry (a set of pool ids).
+--- KEYS[18] (optional): the pool registry (a set of pool ids).
 --- ARGV[1]: msgpack map {pool, request_id, fingerprint, request_ttl_ms, num_blocks,
 ---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address}
 --- Returns msgpack {pool, epoch, registered_ms}; or an error (lib/codec):
@@ -24,5 +26,5 @@ redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now)
 redis.call('HDEL', K_META, 'heartbeat_ms')
 redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
-redis.call('SADD', K_REGISTRY, p.pool)
+if K_REGISTRY then redis.call('SADD', K_REGISTRY, p.pool) end
 return remember(K_REQUEST, p, reply({pool = p.pool, epoch = epoch, registered_ms = now}))
