@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -44,6 +45,8 @@ from kvservice.rpc import RESENT, fence_seconds, new_request_id, to_domain_error
 from kvservice.sequence import CopyPair, Sequence, StepResult
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
+
+_log = logging.getLogger("kvservice.client")
 
 __all__ = ["Client", "CopyPair", "Sequence", "StepResult", "to_domain_error"]
 
@@ -88,6 +91,9 @@ class Client(StepBatches, LocalSteps):
         self.rpc_count = 0          # RPCs made on the caller's thread, keep-alives excepted
         self.closed = False
         self.lease_error: errors.KvsError | None = None
+        #: The last keep-alive's failure other than the allocator being unreachable (an
+        #: unexpected status, logged as a warning too); None once one succeeds.
+        self.keep_alive_error: errors.KvsError | None = None
         #: With ``local``: growth, copy-on-write, commits, forks and frees change local state
         #: at once and reach the allocator through the journal (``Sync``, in the background).
         self.local = local
@@ -393,8 +399,14 @@ class Client(StepBatches, LocalSteps):
                 if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                     self.lease_error = to_domain_error(exc)
                     return
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # not a replica or Redis away: say so (the lease may be reaped meanwhile)
+                    self.keep_alive_error = to_domain_error(exc)
+                    _log.warning("keep-alive of lease %s failed: %s %s", self.lease_id, exc.code().name,
+                                 exc.details())
                 wait = min(interval, 0.05)   # UNAVAILABLE past the retry policy, a deadline: again soon
                 continue
+            self.keep_alive_error = None
             self._alive_until = max(self._alive_until, sent_at + fence_seconds(ttl))
             wait = interval
             if self._doubtful:

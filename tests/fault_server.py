@@ -17,18 +17,21 @@ class Faults(grpc.aio.ServerInterceptor):
     """Test faults around the allocator's handlers, per lease: ``drop(method, lease, n)``
     lets the next ``n`` calls of ``method`` run and then answers UNAVAILABLE instead of
     their replies; ``partition(lease)`` refuses every call of the lease (UNAVAILABLE)
-    before its handler until ``heal(lease)``."""
+    before its handler until ``heal(lease)``; ``fail(method, lease, n, code)`` answers the
+    next ``n`` calls of ``method`` with ``code`` without running them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._drops: dict[tuple[str, str], int] = {}
         self._cut: set[str] = set()
+        self._fails: dict[tuple[str, str], tuple[int, grpc.StatusCode]] = {}
         self.dropped = 0
 
     def reset(self) -> None:
         with self._lock:
             self._drops.clear()
             self._cut.clear()
+            self._fails.clear()
 
     def drop(self, method: str, lease: str, n: int) -> None:
         with self._lock:
@@ -37,6 +40,14 @@ class Faults(grpc.aio.ServerInterceptor):
     def pending_drops(self, method: str, lease: str) -> int:
         with self._lock:
             return self._drops.get((method, lease), 0)
+
+    def fail(self, method: str, lease: str, n: int, code: grpc.StatusCode) -> None:
+        with self._lock:
+            self._fails[(method, lease)] = (n, code)
+
+    def pending_fails(self, method: str, lease: str) -> int:
+        with self._lock:
+            return self._fails.get((method, lease), (0, None))[0]
 
     def partition(self, lease: str) -> None:
         with self._lock:
@@ -58,8 +69,13 @@ class Faults(grpc.aio.ServerInterceptor):
             lease = _lease_of(message, request)
             with self._lock:
                 cut = lease in self._cut
+                left, code = self._fails.get((method, lease), (0, None))
+                if left:
+                    self._fails[(method, lease)] = (left - 1, code)
             if cut:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "partitioned (test)")
+            if left:
+                await context.abort(code, "an unexpected failure (test)")
             reply = await inner(request, context)
             with self._lock:
                 n = self._drops.get((method, lease), 0)

@@ -167,3 +167,34 @@ def test_a_step_with_more_creates_than_one_call_takes_makes_them_in_several(clie
     assert len(info.value.partial.created) == 8
     assert [bool(c.sequence_id) for c in info.value.partial.created] == [True] * 5 + [False] * 3
     client.step(frees=made + got)
+
+
+def test_an_unexpected_keep_alive_error_is_reported_not_swallowed(redis_url, caplog):
+    """A keep-alive answered with a status that is neither 'the allocator is away' nor
+    'the lease is gone' is logged and kept in ``keep_alive_error`` (until one succeeds);
+    the keep-alives go on, and the lease lives."""
+    import logging
+    import time
+
+    import grpc
+
+    from fault_server import FaultyServer
+    from helpers import TEST_SETTINGS
+
+    with FaultyServer(redis_url, TEST_SETTINGS) as server, caplog.at_level(logging.WARNING, "kvservice.client"):
+        with Client(server.target, tenant="t1", lease_ttl=1.5) as c:
+            server.faults.fail("KeepAlive", c.lease_id, 2, grpc.StatusCode.INTERNAL)
+            deadline = time.monotonic() + 10
+            while c.keep_alive_error is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert isinstance(c.keep_alive_error, errors.KvsError), c.keep_alive_error
+            assert "an unexpected failure (test)" in str(c.keep_alive_error)
+            assert any("keep-alive of lease" in r.getMessage() and "INTERNAL" in r.getMessage()
+                       for r in caplog.records)
+            while (c.keep_alive_error is not None or server.faults.pending_fails("KeepAlive", c.lease_id)) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert c.keep_alive_error is None and c.lease_error is None
+            time.sleep(2.0)                                  # past the TTL: still alive
+            c.register_pool("ka", num_blocks=8)
+            assert c.create([1, 2, 3], pool="ka").num_tokens == 3
