@@ -179,7 +179,8 @@ def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack(args.workers, model=args.model, model_seed=args.model_seed, block_size=args.block_size,
-                  kv_memory=args.kv_memory, num_blocks=args.num_blocks, http_port=args.http)
+                  kv_memory=args.kv_memory, num_blocks=args.num_blocks, http_port=args.http,
+                  redis_cluster=args.redis_cluster)
     print(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model}"
           + (f", and the HTTP API on port {args.http}" if args.http is not None else "") + " ...", flush=True)
     try:
@@ -283,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per worker (overrides --kv-memory)")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="a local Redis Cluster of N primaries, each with a replica (node timeout 2 s), instead of "
+                        "one Redis")
     p.add_argument("--http", type=int, default=None, metavar="PORT",
                    help="also serve the OpenAI-compatible HTTP API on this port (kvservice api; 0: a free port), "
                         "with an API key it prints")

@@ -181,3 +181,23 @@ def test_a_primary_killed_under_load_fails_no_call_and_loses_no_lease(local):
             got = c.stub.GetSequence(pb.GetSequenceRequest(sequence_id=s.id), timeout=10)
             assert list(got.block_table) == s.block_table
         assert all(s.num_tokens == 20 + i + steps for i, s in enumerate(seqs))
+
+
+def test_the_engine_over_a_cluster_stack_generates_what_it_does_over_one_redis():
+    """``kvservice up --redis-cluster 3``'s stack: the engine's outputs (greedy and sampled,
+    shared prompts, n = 4) equal those over one Redis, and the audit is clean."""
+    from kvservice.engine import Engine
+    from kvservice.engine.demo import workload
+    from kvservice.tools.launcher import Stack
+
+    outputs = {}
+    for cluster in (0, 3):
+        with Stack(2, model="tiny-llama", num_blocks=128, redis_cluster=cluster) as stack:
+            if cluster:
+                assert "a cluster of 3 primaries + 3 replicas" in stack.describe()[0]
+            with Engine(stack.target, credentials=stack.credentials("engine")) as engine:
+                report = engine.run(workload(3, num_requests=8, max_new_tokens=8))
+                audit = stack.audit()
+            assert report.failed == 0 and report.prefix_hit_tokens > 0 and audit.ok, list(audit.problems)
+            outputs[cluster] = [c.outputs for c in report.completions]
+    assert outputs[3] == outputs[0]

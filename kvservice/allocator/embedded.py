@@ -349,10 +349,20 @@ class EmbeddedCluster:
         node = next(n for n in self.nodes if n.proc is not None)
         return node.tcp_url
 
+    #: (the same as ``url``: a cluster is reached over TCP)
+    tcp_url = url
+
     @property
     def admin_url(self) -> str:
         node = next(n for n in self.nodes if n.proc is not None)
         return f"redis://{node._userinfo(ADMIN_USER)}127.0.0.1:{node.port}" if self.secure else node.tcp_url
+
+    @property
+    def where(self) -> str:
+        """Where the nodes listen, without credentials (for logs)."""
+        ports = ", ".join(str(n.port) for n in self.nodes)
+        return (f"a cluster of {self.num_primaries} primaries + {self.num_primaries * self.num_replicas} replicas "
+                f"on 127.0.0.1 ports {ports}" + (" (ACL users kvservice and admin)" if self.secure else ""))
 
     def _admin(self, node: EmbeddedRedis):
         import redis

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvservice.allocator.embedded import EmbeddedRedis, terminate
+from kvservice.allocator.embedded import EmbeddedCluster, EmbeddedRedis, terminate
 from kvservice.common.security import ClientCredentials
 
 if TYPE_CHECKING:
@@ -204,6 +204,8 @@ class Stack:
             port (0: a free one), a client of its own (tenant ``api``); a secure stack
             makes it an API key (``api_key``). None: no API.
         api_args: more ``kvservice api`` flags.
+        redis_cluster: with N > 0, a local Redis Cluster of N primaries with a replica each
+            (``EmbeddedCluster``) instead of one Redis.
     """
 
     #: The client identities a secure stack makes certificates for (name, role).
@@ -212,7 +214,8 @@ class Stack:
     def __init__(self, workers: int = 2, *, model: str = "smollm2-135m", model_seed: int = 0,
                  block_size: int = 16, kv_memory: str = "64MiB", num_blocks: int = 0,
                  worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = (),
-                 secure: bool = True, http_port: int | None = None, api_args: tuple[str, ...] = ()) -> None:
+                 secure: bool = True, http_port: int | None = None, api_args: tuple[str, ...] = (),
+                 redis_cluster: int = 0) -> None:
         if workers < 1:
             raise ValueError(f"a stack needs at least one worker, got {workers}")
         self.secure = secure
@@ -220,7 +223,8 @@ class Stack:
         self.num_workers, self.model, self.model_seed = workers, model, model_seed
         self.block_size, self.kv_memory, self.num_blocks = block_size, kv_memory, num_blocks
         self.worker_args, self.allocator_args = worker_args, allocator_args
-        self.redis: EmbeddedRedis | None = None
+        self.redis: EmbeddedRedis | EmbeddedCluster | None = None
+        self.redis_cluster = redis_cluster
         self.allocator: AllocatorProcess | None = None
         self.workers: list[WorkerProcess] = []
         self.http_port, self.api_args = http_port, api_args
@@ -310,7 +314,8 @@ class Stack:
         try:
             if self.secure:
                 self._make_credentials()
-            self.redis = EmbeddedRedis(port=0, secure=self.secure).start()
+            self.redis = (EmbeddedCluster(self.redis_cluster, 1, secure=self.secure) if self.redis_cluster
+                          else EmbeddedRedis(port=0, secure=self.secure)).start()
             if self.secure:
                 self._write_redis_urls()
             self.allocator = AllocatorProcess(self.redis.url, args=(*self._server_args(),
