@@ -24,6 +24,7 @@ from kvservice.allocator.reserves import ReserveOps
 from kvservice.allocator.steps import FAN_OUT, StepOps
 from kvservice.allocator.store import Store
 from kvservice.common.geometry import Geometry
+from kvservice.common.redis_errors import REDIS_DOWN
 from kvservice.common.security import read_secret
 from kvservice.common.settings import echo
 
@@ -212,18 +213,27 @@ class Allocator(StepOps, ReserveOps):
         return freed
 
     async def reap(self) -> dict[str, int]:
-        """Frees the sequences of every expired lease in every pool (idempotent)."""
+        """Frees the sequences of every expired lease in every pool (idempotent). A pool
+        whose Redis (shard) is unreachable is skipped and logged: the others are reaped all
+        the same (on a Redis Cluster, while one shard fails over)."""
         total = {"leases": 0, "sequences": 0}
-        for pool_id in await self.store.pool_ids():
+        failed: list[tuple[str, Exception]] = []
+        pools = await self.store.pool_ids(cached=True)
+        for pool_id in pools:
             for _ in range(1000):
                 try:
                     reply = await self.store.reap(pool_id, tombstone_ms=self._tombstone_ms())
                 except errors.NotFound:
                     break
+                except REDIS_DOWN as exc:
+                    failed.append((pool_id, exc))
+                    break
                 total["leases"] += reply["leases"]
                 total["sequences"] += reply["sequences"]
                 if not reply["more"]:
                     break
+        for pool_id, exc in failed:
+            log.warning("reaper: pool %s skipped, its Redis is unreachable: %s", pool_id, exc)
         return total
 
     # ------------------------------------------------------------ helpers

@@ -100,7 +100,8 @@ class StepOps:
             for pool_id in explicit:
                 await self.geometry(pool_id)
             anywhere = any(not c.pool_id for c in creates)
-            candidates = await self.store.pool_ids() if anywhere else explicit
+            candidates = (await self.store.pool_ids(cached=True) or await self.store.pool_ids()) if anywhere \
+                else explicit
             if not candidates:
                 raise errors.FailedPrecondition("no pool is registered")
             tenant, lease_deadline = await self._attach(lease_id, candidates)
@@ -230,7 +231,6 @@ class StepOps:
 
     async def _place(self, c: Create, data: bytes, tenant: str) -> str:
         """The pool with the longest cached prefix of ``c``, then the most free blocks."""
-        pools = await self.store.pool_ids()
         root = hashing.root_hash(self._salt(tenant), c.extra_key)
 
         async def score(pool_id: str) -> tuple[int, int, str] | None:
@@ -243,9 +243,13 @@ class StepOps:
             reply = await self.store.probe(pool_id, epoch, hs)
             return int(reply["hits"]) * geo.block_size, int(reply["available"]), pool_id
 
-        scored = []
-        for i in range(0, len(pools), FAN_OUT):
-            scored += [x for x in await asyncio.gather(*(score(p) for p in pools[i:i + FAN_OUT])) if x is not None]
+        scored: list[tuple[int, int, str]] = []
+        for cached in (True, False):     # this replica's recent list; the registry if that has none
+            pools = await self.store.pool_ids(cached=cached)
+            for i in range(0, len(pools), FAN_OUT):
+                scored += [x for x in await asyncio.gather(*(score(p) for p in pools[i:i + FAN_OUT])) if x is not None]
+            if scored:
+                break
         if not scored:
             raise errors.FailedPrecondition("no pool is registered")
         # Most cached tokens, then most blocks available, then the smallest pool id.

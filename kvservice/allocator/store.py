@@ -22,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvservice import errors
 from kvservice.allocator import codec, keys, lua
 from kvservice.allocator.codec import LEASE_UNKNOWN, STALE_EPOCH
+from kvservice.common.redis_errors import REDIS_DOWN
 
 
 def blocks_of(table: str | bytes) -> list[int]:
@@ -82,6 +83,10 @@ def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, *, 
     return aioredis.Redis(connection_pool=pool)
 
 
+#: How long a replica serves placement and the reaper from the pool list it read (seconds).
+POOL_LIST_TTL = 1.0
+
+
 class Store:
     """Allocator state in one Redis (or one Redis Cluster: every call names one slot)."""
 
@@ -93,6 +98,7 @@ class Store:
         #: Called with (script name, seconds) after every script call (metrics hook).
         self.observe = observe
         self._scripts = {name: redis.register_script(s.source) for name, s in lua.SCRIPTS.items()}
+        self._pool_list: tuple[float, list[str]] | None = None
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -176,6 +182,7 @@ class Store:
         on a Redis Cluster the registry (another slot) is added to after the script."""
         pool_id = payload["pool"]
         args = self._pool_args(pool_id, payload["request_id"])
+        self._pool_list = None
         if not self.cluster:
             return await self._call("register_pool", args + [keys.POOLS], payload)
         reply = await self._call("register_pool", args, payload)
@@ -299,8 +306,24 @@ class Store:
 
     # ------------------------------------------------------------ reads
 
-    async def pool_ids(self) -> list[str]:
-        return sorted(m.decode() for m in await self.redis.smembers(keys.POOLS))
+    async def pool_ids(self, *, cached: bool = False) -> list[str]:
+        """The registered pools, sorted. ``cached``: the list this replica read at most
+        ``POOL_LIST_TTL`` seconds ago (its own registrations refresh it at once), for the
+        hot paths (placement, the reaper) that would otherwise read the registry's shard on
+        every create; a pool another replica registers is seen within that time. Pools are
+        never unregistered. While the registry's Redis (shard) is unreachable, ``cached``
+        keeps the list it had, so the pools on the other shards go on being served."""
+        now = time.monotonic()
+        if cached and self._pool_list is not None and now - self._pool_list[0] < POOL_LIST_TTL:
+            return self._pool_list[1]
+        try:
+            ids = sorted(m.decode() for m in await self.redis.smembers(keys.POOLS))
+        except REDIS_DOWN:
+            if cached and self._pool_list is not None:
+                return self._pool_list[1]   # the registry's shard is away: the pools known so far
+            raise
+        self._pool_list = (now, ids)
+        return ids
 
     async def pool_meta(self, pool_id: str) -> dict[str, str] | None:
         raw = await self.redis.hgetall(keys.pool_key(pool_id, "meta"))

@@ -22,19 +22,13 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from redis.exceptions import (AskError, BusyLoadingError, ClusterError, MasterDownError, RedisClusterException,
-                              TryAgainError)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvservice import errors
+from kvservice.common.redis_errors import REDIS_DOWN
 
 log = logging.getLogger(__name__)
 DOMAIN = "kvservice"
-#: Redis unreachable, or a Redis Cluster between owners of a slot (a failover, a slot
-#: moving, no node for it yet): UNAVAILABLE, which clients retry with the same request id.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ConnectionError, ClusterError,
-              RedisClusterException, TryAgainError, AskError, MasterDownError)
+
 
 #: Turns an error's ``partial`` (a domain StepOutcome) into a proto message; set by the servicer.
 PartialEncoder = Callable[[Any], Any]
