@@ -391,7 +391,7 @@ class Engine:
                 self.model = wpb.ModelInfo()
                 self.model.CopyFrom(info.model)
                 self.model.ClearField("tokenizer")
-            models.add((self.model.name, self.model.seed))
+            models.add((self.model.name, self.model.seed))   # a worker added later serves the same
             self._channels.append(channel)
             self._stubs[p.pool_id] = stub
         if not self._stubs or len(models) > 1:

@@ -118,20 +118,21 @@ class Detokenizer:
     characters across tokens), at a cost per token that does not grow with the sample.
     """
 
-    __slots__ = ("tokenizer", "ids", "_prefix", "_read")
+    __slots__ = ("tokenizer", "ids", "_prefix", "_read", "_before")
 
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.ids = list(context[-4:])         # a little context: the first token's leading space
         self._prefix, self._read = 0, len(self.ids)
+        self._before = tokenizer.decode(self.ids)   # the text of ids[_prefix:_read]
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix:self._read])
-        after = decode(self.ids[self._prefix:])
+        after = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self._before
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""      # nothing new yet, or a character cut in its middle: wait for more bytes
+        self._before = self.tokenizer.decode(self.ids[self._read:])
         self._prefix, self._read = self._read, len(self.ids)
         return after[len(before):]
 
