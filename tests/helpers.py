@@ -16,7 +16,7 @@ from kvservice.allocator.core import Allocator
 from kvservice.allocator.config import Settings
 from kvservice.allocator.server import create_server, reaper
 from kvservice.allocator.audit import run_audit
-from kvservice.allocator.store import Store, connect
+from kvservice.allocator.store import Store, connect, is_cluster
 from kvservice.common.auth import TokenFile, add_token
 from kvservice.common.security import ClientCredentials, ServerTls
 from kvservice.tools.certs import make_certs
@@ -156,7 +156,8 @@ class ServerThread(LoopThread):
         return credentials_for(self.target).channel(self.target)
 
     async def serve(self) -> None:
-        self.store = Store(connect(self.redis_url))
+        self.store = Store(connect(self.redis_url), wait_replicas=self.settings.redis_wait_replicas,
+                           wait_timeout_ms=self.settings.redis_wait_timeout_ms)
         self.allocator = Allocator(self.store, self.settings)
         self.server, self.port = await create_server(self.allocator, "127.0.0.1:0", outer=self.interceptors,
                                                      tokens=self.tokens, tls=self.tls)
@@ -263,16 +264,38 @@ def sdk_call(client, handles: dict, pool: str, how: str, appends: dict, forks: d
     return result, made, child
 
 
-def keyspace(url: str) -> dict[bytes, bytes]:
-    """Every key of a Redis and its DUMP: compared before and after a refused call, it
-    shows that nothing changed."""
+def sync_redis(url: str):
+    """A blocking client of the Redis (or Redis Cluster: a cluster client) at ``url``."""
     import redis
+    from redis.cluster import RedisCluster
 
-    r = redis.Redis.from_url(url)
-    try:
-        return {k: r.dump(k) for k in sorted(r.keys("*"))}
-    finally:
-        r.close()
+    return RedisCluster.from_url(url) if is_cluster(url) else redis.Redis.from_url(url)
+
+
+def all_keys(r) -> list[bytes]:
+    from redis.cluster import RedisCluster
+
+    if isinstance(r, RedisCluster):
+        return sorted(k for node in r.get_primaries() for k in r.keys("*", target_nodes=node))
+    return sorted(r.keys("*"))
+
+
+def flush(url: str) -> None:
+    """Empties the Redis at ``url`` (every primary of a cluster)."""
+    from redis.cluster import RedisCluster
+
+    with sync_redis(url) as r:
+        if isinstance(r, RedisCluster):
+            r.flushall(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            r.flushall()
+
+
+def keyspace(url: str) -> dict[bytes, bytes]:
+    """Every key of a Redis (or of every shard of a cluster) and its DUMP: compared before
+    and after a refused call, it shows that nothing changed."""
+    with sync_redis(url) as r:
+        return {k: r.dump(k) for k in all_keys(r)}
 
 
 def used_blocks(stack) -> int:

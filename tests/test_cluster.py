@@ -201,3 +201,133 @@ def test_the_engine_over_a_cluster_stack_generates_what_it_does_over_one_redis()
             assert report.failed == 0 and report.prefix_hit_tokens > 0 and audit.ok, list(audit.problems)
             outputs[cluster] = [c.outputs for c in report.completions]
     assert outputs[3] == outputs[0]
+
+
+def _node_port(rc: RedisCluster, key: str) -> int:
+    return int(rc.get_node_from_key(key).port)
+
+
+def test_a_lease_whose_home_shard_fails_over_keeps_its_sequences_in_pools_on_healthy_shards():
+    """The shard holding the lease's own record is SIGKILLed: the lease (the SDK's default
+    TTL) keeps stepping its sequences in pools on the other shards through the failover and
+    well past one TTL; none is reaped, the audit is clean, the tables agree."""
+    from kvservice.allocator import keys
+    from kvservice.client import Client
+    from kvservice.tools.launcher import AllocatorProcess
+    from kvservice.v1 import allocator_pb2 as pb
+
+    with EmbeddedCluster(3, 1, flavor=FLAVORS[0], secure=True, node_timeout_ms=2000) as cluster, \
+            AllocatorProcess(cluster.url) as allocator, Client(allocator.target, tenant="t") as c, \
+            RedisCluster.from_url(cluster.admin_url) as rc:
+        ttl = c.lease.ttl_seconds
+        home = _node_port(rc, keys.lease_keys(c.lease_id)[0])
+        pools = [p for p in (f"h-{i}" for i in range(64)) if _node_port(rc, keys.pool_key(p, "meta")) != home][:4]
+        assert len({_node_port(rc, keys.pool_key(p, "meta")) for p in pools}) == 2     # the two other shards
+        for p in pools:
+            c.register_pool(p, num_blocks=256, block_size=16)
+        seqs = [c.create(list(range(30 + i)), pool=p) for i, p in enumerate(pools)]
+        victim = next(i for i, n in enumerate(cluster.nodes) if n.port == home)
+        cluster.kill(victim)
+        t0, steps, slowest = time.monotonic(), 0, 0.0
+        while time.monotonic() - t0 < ttl + 6:            # the failover, then more than a TTL
+            s0 = time.monotonic()
+            c.step({s: [3] for s in seqs})
+            slowest = max(slowest, time.monotonic() - s0)
+            steps += 1
+            time.sleep(0.05)
+        c.flush()
+        deadline = time.monotonic() + 15
+        while victim in cluster.primaries() or len(cluster.primaries()) != 3:
+            assert time.monotonic() < deadline, "no replica took over the lease's shard"
+            time.sleep(0.1)
+        print(f"{steps} steps over {time.monotonic() - t0:.1f} s, slowest {slowest:.2f} s; "
+              f"keep-alive error: {c.keep_alive_error}")
+        assert c.lease_error is None
+        kept = c.stub.KeepAlive(pb.KeepAliveRequest(lease_id=c.lease_id), timeout=10)   # on its new primary
+        assert kept.lease_id == c.lease_id and kept.ttl_seconds == ttl
+        audit = c.stub.Audit(pb.AuditRequest(), timeout=30)
+        assert audit.ok, list(audit.problems)
+        for i, s in enumerate(seqs):
+            got = c.stub.GetSequence(pb.GetSequenceRequest(sequence_id=s.id), timeout=10)
+            assert list(got.block_table) == s.block_table and s.num_tokens == 30 + i + steps
+
+
+def test_wait_holds_back_the_answer_until_replicas_have_the_writes_and_a_shortfall_is_unavailable():
+    """``redis_wait_replicas``: with 1 (each shard has one replica) every step is answered
+    once the replica holds it; with 2 the writes are made but the call answers UNAVAILABLE
+    naming the setting, and the same request id, retried, returns the first outcome."""
+    import dataclasses
+
+    import grpc
+
+    from kvservice.allocator import keys
+    from kvservice.client import Client
+    from kvservice.v1 import allocator_pb2 as pb
+    from kvservice.v1 import allocator_pb2_grpc as pb_grpc
+
+    from helpers import TEST_SETTINGS, ServerThread
+
+    waits = dataclasses.replace(TEST_SETTINGS, redis_wait_replicas=1)
+    short = dataclasses.replace(TEST_SETTINGS, redis_wait_replicas=2, redis_wait_timeout_ms=200)
+    with EmbeddedCluster(3, 1, flavor=FLAVORS[0], node_timeout_ms=2000) as cluster, \
+            ServerThread(cluster.url, waits) as a, ServerThread(cluster.url, short) as b, \
+            Client(a.target, tenant="t", lease_ttl=30.0) as c:
+        pools = [f"w-{i}" for i in range(6)]
+        for p in pools:
+            c.register_pool(p, num_blocks=64, block_size=16)
+        seqs = [c.create(list(range(40)), pool=p) for p in pools]
+        for _ in range(3):
+            c.step({s: [1] * 16 for s in seqs})            # a block each, every step
+        with RedisCluster.from_url(cluster.url) as rc:
+            for p in pools:                                # the replica of the pool's shard has it all
+                key = keys.pool_key(p, "tabs")
+                replica = rc.get_node_from_key(key, replica=True)
+                assert replica.server_type == "replica"
+                with redis.Redis(host=replica.host, port=replica.port) as r:
+                    r.execute_command("READONLY")
+                    assert r.hgetall(key) == rc.hgetall(key) != {}, p
+        request = pb.StepRequest(lease_id=c.lease_id, request_id="r-wait", creates=[
+            pb.CreateOp(token_ids=list(range(100, 120)), pool_id=pools[0])])
+        with b.channel() as ch, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.AllocatorStub(ch).Step(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "redis_wait_replicas" in refused.value.details() and "1 of the 2" in refused.value.details()
+        with a.channel() as ch:
+            first = pb_grpc.AllocatorStub(ch).Step(request, timeout=10)
+            again = pb_grpc.AllocatorStub(ch).Step(request, timeout=10)
+        assert first.created[0].sequence_id and first == again
+        assert c.pool_stats(pools[0]).num_sequences == 2    # created once
+
+
+def test_wait_on_one_redis_without_replicas_answers_unavailable_and_changes_are_replayed(redis_url):
+    """The non-cluster path (script and WAIT in one pipeline), from a Redis that has not
+    loaded the scripts yet: no replica acknowledges, so every step answers UNAVAILABLE,
+    naming the setting; the create was made once, and its retry returns it."""
+    import dataclasses
+
+    import grpc
+
+    from kvservice.v1 import allocator_pb2 as pb
+    from kvservice.v1 import allocator_pb2_grpc as pb_grpc
+
+    from helpers import TEST_SETTINGS, ServerThread
+
+    with redis.Redis.from_url(redis_url) as r:
+        r.script_flush()
+    waiting = dataclasses.replace(TEST_SETTINGS, redis_wait_replicas=1, redis_wait_timeout_ms=50)
+    with ServerThread(redis_url, waiting) as a, ServerThread(redis_url) as plain, a.channel() as ch, \
+            plain.channel() as plain_ch:
+        stub, plain_stub = pb_grpc.AllocatorStub(ch), pb_grpc.AllocatorStub(plain_ch)
+        stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p", geometry=pb.PoolGeometry(
+            num_blocks=16, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")), timeout=10)
+        lease = stub.GrantLease(pb.GrantLeaseRequest(tenant="t", ttl_seconds=30), timeout=10)
+        request = pb.StepRequest(lease_id=lease.lease_id, request_id="r1", creates=[
+            pb.CreateOp(token_ids=list(range(10)), pool_id="p")])
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Step(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "0 of the 1 replicas" in refused.value.details() and "redis_wait_replicas" in refused.value.details()
+        first = plain_stub.Step(request, timeout=10)          # (an allocator that does not wait)
+        assert len(first.created[0].block_table) == 3
+        assert plain_stub.GetPoolStats(pb.GetPoolStatsRequest(pool_id="p"), timeout=10).num_sequences == 1

@@ -267,7 +267,7 @@ def _part(lease: str, tenant: str, run: str, part: int) -> dict:
     """A resync part as the allocator sends it (scripts/resync.lua), of one block's budget
     and no claims: it drops one recorded sequence of the lease and stops there."""
     return {"pool": "p0", "epoch": 1, "request_id": "", "fingerprint": "", "request_ttl_ms": 60_000,
-            "lease_id": lease, "tenant": tenant, "lease_deadline_ms": 0, "touch_deadline_ms": 0, "first_entry": 1,
+            "lease_id": lease, "tenant": tenant, "lease_left_ms": 0, "touch_left_ms": 0, "first_entry": 1,
             "cap": 8, "run": run, "budget": 1, "total": 0, "part": part, "offset": 0, "claims": []}
 
 

@@ -33,6 +33,13 @@ class Settings(EnvSettings):
     #: "auto": a Redis Cluster client when the URL's server is a cluster node (it answers
     #: CLUSTER SLOTS); "on" / "off" to say so.
     redis_cluster: str = "auto"
+    #: Durability (docs/operations.md, "Redis Cluster"): after each script that hands out
+    #: or frees blocks (a step, a Sync, a resync, a reap), wait until this many replicas of
+    #: its shard hold its writes (Redis ``WAIT``), at most ``redis_wait_timeout_ms``; a
+    #: call that got fewer acknowledgements fails with UNAVAILABLE (its retry, same request
+    #: id, returns the same outcome). 0: no waiting (a failover may lose the last writes).
+    redis_wait_replicas: int = 0
+    redis_wait_timeout_ms: int = 100
     #: The largest request or reply, in MiB (a larger request is refused before it is read).
     max_message_mb: int = 16
     #: Seconds between sweeps of expired leases.
@@ -129,6 +136,8 @@ class Settings(EnvSettings):
         check_positive(self, "reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",
                        "metrics_exporter_ttl", "redis_pool_timeout")
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
+        check_in_range("redis_wait_replicas", self.redis_wait_replicas, 0, 16)
+        check_in_range("redis_wait_timeout_ms", self.redis_wait_timeout_ms, 1, 60_000)
         check_in_range("max_message_mb", self.max_message_mb, 1, 1024)
         for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence",
                      "max_forks_per_call", "max_fork_refs_per_call", "max_refill_per_call", "max_sequence_blocks",

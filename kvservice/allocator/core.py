@@ -189,7 +189,7 @@ class Allocator(StepOps, ReserveOps):
         the tenant has a lease quota."""
         if self.quota(reply["tenant"])["leases"]:
             await self.store.tenant_leases(reply["tenant"], "touch", reply["lease_id"],
-                                           deadline_ms=reply["deadline_ms"])
+                                           left_ms=reply["ttl_ms"])
 
     async def revoke_lease(self, lease_id: str) -> int:
         """Revokes a lease and frees its sequences; returns how many were freed."""
@@ -225,7 +225,7 @@ class Allocator(StepOps, ReserveOps):
                     reply = await self.store.reap(pool_id, tombstone_ms=self._tombstone_ms())
                 except errors.NotFound:
                     break
-                except REDIS_DOWN as exc:
+                except (*REDIS_DOWN, errors.Unavailable) as exc:
                     failed.append((pool_id, exc))
                     break
                 total["leases"] += reply["leases"]
@@ -239,8 +239,10 @@ class Allocator(StepOps, ReserveOps):
     # ------------------------------------------------------------ helpers
 
     async def _attach(self, lease_id: str, pools: list[str]) -> tuple[str, int]:
-        """The lease's tenant and deadline, attaching it to ``pools``; the deadline is 0 when
-        the lease was attached to all of them before (then the pools know its deadline)."""
+        """The lease's tenant and time left (ms), attaching it to ``pools``; the time left
+        is 0 when the lease was attached to all of them before (then the pools know its
+        deadline). A time left, not a deadline: each pool's shard adds it to its own clock,
+        which need not be the clock of the lease's shard."""
         cached = self._leases.get(lease_id)
         if cached is not None and cached[1].issuperset(pools):
             return cached[0], 0
@@ -251,7 +253,7 @@ class Allocator(StepOps, ReserveOps):
         attached = cached[1] if cached else set()
         attached.update(pools)
         self._leases[lease_id] = (tenant, attached)
-        return tenant, reply["deadline_ms"]
+        return tenant, reply["left_ms"]
 
     async def _lease_tenant(self, lease_id: str) -> str:
         """The lease's tenant ("" for an unknown lease), cached."""

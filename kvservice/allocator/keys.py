@@ -21,7 +21,7 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``b2h``    hash: block id -> block hash (hex)
 - ``seqs``   hash: sequence number -> ``"<lease> <num_tokens> <committed blocks>
   <cached tokens> <last hash>"``
-- ``leases`` zset: lease id -> deadline (ms, Redis clock)
+- ``leases`` zset: lease id -> deadline (ms, the clock of the shard holding the pool: pool scripts are given a lease's time left, never another shard's deadline)
 - ``lseq``   zset (score 0): ``<lease>:<seq number>``, read by lexicographic range
 - ``dead``   zset: lease id -> when it was reaped (tombstones, one hour)
 - ``stats``  hash: counters since the epoch began

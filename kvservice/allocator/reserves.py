@@ -83,13 +83,16 @@ class ReserveOps:
         lease = lease_info(kept)
         if not pools:
             return lease, []
-        tenant, deadline = await self._attach(lease_id, [r.pool_id for r in pools])
-        grants = await asyncio.gather(*(self._sync_pool(lease_id, tenant, r, entries[r.pool_id], deadline,
-                                                        request_id, lease.deadline_ms) for r in pools))
+        tenant, left_ms = await self._attach(lease_id, [r.pool_id for r in pools])
+        grants = await asyncio.gather(*(self._sync_pool(lease_id, tenant, r, entries[r.pool_id], left_ms,
+                                                        request_id, kept["ttl_ms"]) for r in pools))
         return lease, list(grants)
 
-    async def _sync_pool(self, lease_id: str, tenant: str, r: ReserveRequest, entries: Any, deadline: int,
+    async def _sync_pool(self, lease_id: str, tenant: str, r: ReserveRequest, entries: Any, left_ms: int,
                          request_id: str, touch_ms: int) -> ReserveGrant:
+        """One pool's part of a Sync. ``left_ms``: the lease's time left as its record tells
+        (0: attached to the pool already), ``touch_ms``: after the keep-alive; each pool's
+        shard adds them to its own clock."""
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
         cap = max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks))
@@ -98,7 +101,7 @@ class ReserveOps:
                        "fingerprint": fingerprint("resync", [lease_id, r.pool_id, r.epoch, r.first_entry, entries])
                        if request_id else "",
                        "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "tenant": tenant,
-                       "lease_deadline_ms": deadline, "touch_deadline_ms": touch_ms, "first_entry": r.first_entry,
+                       "lease_left_ms": left_ms, "touch_left_ms": touch_ms, "first_entry": r.first_entry,
                        "cap": cap, "run": secrets.token_hex(8), "budget": RESYNC_WORK, "total": len(entries)}
             reply = await self._resync_parts(lease_id, r.pool_id, payload, entries)
             return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
@@ -110,8 +113,8 @@ class ReserveOps:
         request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries["n"],
                    r.want_sequence_numbers, r.need_blocks]
         base = {"pool": r.pool_id, "epoch": r.epoch, "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id,
-                "tenant": tenant, "quota": self.quota(tenant), "lease_deadline_ms": deadline,
-                "touch_deadline_ms": touch_ms, "cap": cap,
+                "tenant": tenant, "quota": self.quota(tenant), "lease_left_ms": left_ms,
+                "touch_left_ms": touch_ms, "cap": cap,
                 "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
                 "pressure_cap": s.reserve_min_blocks, "max_fork_refs": s.max_fork_refs_per_call,
                 "max_refill": s.max_refill_per_call, "max_need": s.max_blocks_per_call}
@@ -168,5 +171,5 @@ class ReserveOps:
             return await call(payload)
         except ScriptError:
             self._leases.pop(lease_id, None)
-            _, payload["lease_deadline_ms"] = await self._attach(lease_id, [pool_id])
+            _, payload["lease_left_ms"] = await self._attach(lease_id, [pool_id])
             return await call(payload)

@@ -93,11 +93,16 @@ async def running(settings: Settings):
         embedded = EmbeddedRedis(secure=True).start()
         url = embedded.url
         log.info("embedded Redis %s at %s", embedded.version(), embedded.where)
-    cluster = settings.redis_cluster == "on" or (settings.redis_cluster == "auto" and not url.startswith("unix:")
-                                                 and is_cluster(url))
+    cluster = {"on": True, "off": False}.get(settings.redis_cluster)
+    if cluster is None:
+        cluster = not url.startswith("unix:") and is_cluster(url)
     if cluster:
         log.info("Redis Cluster at %s", redacted(url))
-    store = Store(connect(url, settings.redis_max_connections, settings.redis_pool_timeout, cluster=cluster))
+    store = Store(connect(url, settings.redis_max_connections, settings.redis_pool_timeout, cluster=cluster),
+                  wait_replicas=settings.redis_wait_replicas, wait_timeout_ms=settings.redis_wait_timeout_ms)
+    if settings.redis_wait_replicas:
+        log.info("scripts that hand out or free blocks wait for %d replica(s), %d ms at most",
+                 settings.redis_wait_replicas, settings.redis_wait_timeout_ms)
     allocator = Allocator(store, settings)
     metrics = http = None
     if settings.metrics_port >= 0:

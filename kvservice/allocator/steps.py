@@ -104,7 +104,7 @@ class StepOps:
                 else explicit
             if not candidates:
                 raise errors.FailedPrecondition("no pool is registered")
-            tenant, lease_deadline = await self._attach(lease_id, candidates)
+            tenant, lease_left = await self._attach(lease_id, candidates)
             placed = [c.pool_id or await self._place(c, packed[i], tenant) for i, c in enumerate(creates)]
             if anywhere and request_id:
                 # A retry must land where the first attempt did (and find its outcome there).
@@ -115,12 +115,12 @@ class StepOps:
             for i, c in enumerate(creates):
                 by_pool[placed[i]]["creates"].append((i, c, packed[i]))
         else:
-            lease_deadline = 0
+            lease_left = 0
         if not tenant and self._quotas_on:
             tenant = await self._lease_tenant(lease_id)    # (its quotas)
         outcome = StepOutcome([None] * len(updates), [None] * len(creates), [])
         pools = list(by_pool)
-        payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_deadline, request_id, digest)
+        payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_left, request_id, digest)
                     for p in pools]
         replies = await self.store.step(payloads)
         first_error: errors.KvsError | None = None
@@ -132,9 +132,9 @@ class StepOps:
                     await self.geometry(pool_id, refresh=True)
                 else:  # LEASE_UNKNOWN: the pool forgot the lease (re-registered); attach again
                     self._leases.pop(lease_id, None)
-                    tenant, lease_deadline = await self._attach(lease_id, [pool_id])
+                    tenant, lease_left = await self._attach(lease_id, [pool_id])
                 payload = await self._pool_payload(pool_id, by_pool[pool_id], lease_id, tenant,
-                                                   lease_deadline, request_id, digest)
+                                                   lease_left, request_id, digest)
                 reply = (await self.store.step([payload]))[0]
             if isinstance(reply, Exception):
                 if isinstance(reply, errors.ResourceExhausted):
@@ -195,10 +195,11 @@ class StepOps:
         return payload
 
     async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
-                            lease_deadline: int, request_id: str, digest: str) -> dict[str, Any]:
-        """One pool's step script call (``scripts/step.lua``). ``lease_deadline`` is 0 when
-        the lease is known to be attached to the pool already (the script then reads its
-        deadline there)."""
+                            lease_left: int, request_id: str, digest: str) -> dict[str, Any]:
+        """One pool's step script call (``scripts/step.lua``). ``lease_left``: the lease's
+        time left (ms) as its record told, which the pool's shard adds to its own clock; 0
+        when the lease is known to be attached to the pool already (the script then reads
+        its deadline there)."""
         epoch, geo = await self.geometry(pool_id)
         s = self.settings
         bs = geo.block_size
@@ -223,7 +224,7 @@ class StepOps:
                             "block_hashes": [h.hex() for h in hs]})
             items["hashes"].append(hs)
         return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
-                "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_deadline_ms": lease_deadline,
+                "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_left_ms": lease_left,
                 "tenant": tenant, "quota": self.quota(tenant),
                 "max_blocks": s.max_blocks_per_call, "max_fork_refs": s.max_fork_refs_per_call,
                 "max_release": s.max_release_per_call,

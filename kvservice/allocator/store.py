@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import redis.asyncio as aioredis
 from redis.exceptions import ClusterError as RedisClusterError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvservice import errors
@@ -67,13 +67,16 @@ def is_cluster(url: str) -> bool:
             raise
 
 
-def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, *, cluster: bool = False,
+def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, *, cluster: bool | None = None,
             **kwargs: Any) -> aioredis.Redis:
     """An asyncio Redis client for ``redis://``, ``rediss://`` or ``unix://`` URLs, over at
     most ``max_connections`` connections: a call that finds none free waits for one (up
     to ``pool_timeout`` seconds), instead of failing at once as redis-py's default pool
     does past 100. ``cluster``: a Redis Cluster client (``url`` names one node; the others
-    are discovered), at most ``max_connections`` per node."""
+    are discovered), at most ``max_connections`` per node; None: one when the server at
+    ``url`` is a cluster node (``is_cluster``; never for ``unix://``)."""
+    if cluster is None:
+        cluster = not url.startswith("unix:") and is_cluster(url)
     if cluster:
         from redis.asyncio.cluster import RedisCluster
 
@@ -86,12 +89,22 @@ def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, *, 
 #: How long a replica serves placement and the reaper from the pool list it read (seconds).
 POOL_LIST_TTL = 1.0
 
+#: The scripts that hand out or free blocks: with ``Store.wait_replicas``, each is
+#: acknowledged only once that many replicas of its shard have its writes (``WAIT``).
+DURABLE_SCRIPTS = frozenset({"step", "sync", "resync", "reap"})
+
 
 class Store:
     """Allocator state in one Redis (or one Redis Cluster: every call names one slot)."""
 
-    def __init__(self, redis: aioredis.Redis, observe: Callable[[str, float], None] | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, observe: Callable[[str, float], None] | None = None, *,
+                 wait_replicas: int = 0, wait_timeout_ms: int = 100) -> None:
         self.redis = redis
+        #: ``WAIT`` after each of ``DURABLE_SCRIPTS``, on the connection that ran it, for
+        #: this many replicas (0: none), at most ``wait_timeout_ms``; fewer acknowledgements
+        #: raise UNAVAILABLE (a retry with the same request id returns the same outcome).
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         #: A Redis Cluster: calls of several pools run concurrently, never in one pipeline
         #: (their keys hash to different slots).
         self.cluster = type(redis).__name__ == "RedisCluster"
@@ -111,7 +124,10 @@ class Store:
         """One script call: ``payload`` encoded, the reply decoded; timed for ``observe``."""
         start = time.perf_counter()
         try:
-            raw = await self._scripts[name](keys=keys_, args=[codec.encode(payload)])
+            if self.wait_replicas and name in DURABLE_SCRIPTS:
+                raw = await self._call_and_wait(name, keys_, codec.encode(payload))
+            else:
+                raw = await self._scripts[name](keys=keys_, args=[codec.encode(payload)])
         except ResponseError as exc:
             raise _explained(name, exc) from None
         finally:
@@ -119,12 +135,45 @@ class Store:
                 self.observe(name, time.perf_counter() - start)
         return codec.decode_reply(raw, internal=internal)
 
+    async def _call_and_wait(self, name: str, keys_: list[str], arg: bytes) -> Any:
+        """The script, then ``WAIT wait_replicas wait_timeout_ms`` in one pipeline (one
+        connection: WAIT waits for that connection's writes), on the node of the script's
+        slot; its raw reply once enough replicas acknowledged it."""
+        script = self._scripts[name]
+        for attempt in range(2):
+            if self.cluster:
+                pipe = self.redis.pipeline()
+                node = self.redis.get_node_from_key(keys_[0])
+            else:
+                pipe = self.redis.pipeline(transaction=False)
+                node = None
+            on = {} if node is None else {"target_nodes": node}     # (both on the slot's node)
+            async with pipe:
+                # (EVALSHA by name: redis-py's cluster pipeline refuses its evalsha method)
+                pipe.execute_command("EVALSHA", script.sha, len(keys_), *keys_, arg, **on)
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, **on)
+                raw, acked = await pipe.execute(raise_on_error=False)
+            if isinstance(raw, NoScriptError) and attempt == 0:
+                await self.redis.script_load(script.script)     # (not run: load it and run it once more)
+                continue
+            break
+        if isinstance(raw, Exception):
+            raise raw
+        if isinstance(acked, Exception):
+            raise acked
+        if int(acked) < self.wait_replicas:
+            raise errors.Unavailable(
+                f"{name}: its writes reached {acked} of the {self.wait_replicas} replicas the allocator waits for "
+                f"(redis_wait_replicas) within {self.wait_timeout_ms} ms; not acknowledged (a retry with the same "
+                f"request id returns the same outcome)")
+        return raw
+
     async def _pipelined(self, name: str, calls: list[tuple[list[str], dict[str, Any]]], *,
                          internal: tuple[str, ...] = ()) -> list[dict[str, Any] | Exception]:
         """Calls of one script in one pipeline; each reply decoded, or the exception it
         raised (a lost connection raises at once). Each call is observed with the
         pipeline's time."""
-        if self.cluster:
+        if self.cluster or (self.wait_replicas and name in DURABLE_SCRIPTS):
             return await self._concurrent(name, calls, internal=internal)
         script = self._scripts[name]
         start = time.perf_counter()
@@ -155,8 +204,8 @@ class Store:
 
     async def _concurrent(self, name: str, calls: list[tuple[list[str], dict[str, Any]]], *,
                           internal: tuple[str, ...] = ()) -> list[dict[str, Any] | Exception]:
-        """``_pipelined`` on a Redis Cluster: each call on its own, all at once; a lost
-        connection (or a cluster error) raises, as a pipeline's would."""
+        """``_pipelined`` on a Redis Cluster (or with ``WAIT``): each call on its own, all at
+        once; a lost connection (or a cluster error) raises, as a pipeline's would."""
         results = await asyncio.gather(*(self._call(name, k, p, internal=internal) for k, p in calls),
                                        return_exceptions=True)
         for r in results:
@@ -233,12 +282,12 @@ class Store:
 
     # ------------------------------------------------------------ lease scripts
 
-    async def tenant_leases(self, tenant: str, op: str, lease_id: str, *, deadline_ms: int = 0, ttl_ms: int = 0,
+    async def tenant_leases(self, tenant: str, op: str, lease_id: str, *, left_ms: int = 0, ttl_ms: int = 0,
                             limit: int = 0) -> int:
         """Admits ('admit'), touches or drops a lease in its tenant's set of live leases;
         returns how many the tenant holds (``tenant_leases.lua``)."""
         reply = await self._call("tenant_leases", [keys.tenant_leases_key(tenant)],
-                                 {"op": op, "lease_id": lease_id, "deadline_ms": deadline_ms, "ttl_ms": ttl_ms,
+                                 {"op": op, "lease_id": lease_id, "left_ms": left_ms, "ttl_ms": ttl_ms,
                                   "limit": limit})
         return int(reply["leases"])
 
@@ -261,7 +310,7 @@ class Store:
         pools = [pool_id for pool_id in reply["pools"] if pool_id not in skip]
         if pools:
             touched = await self._pipelined("lease_touch", [
-                ([keys.pool_key(pool_id, "leases")], {"lease_id": lease_id, "deadline_ms": reply["deadline_ms"]})
+                ([keys.pool_key(pool_id, "leases")], {"lease_id": lease_id, "left_ms": reply["ttl_ms"]})
                 for pool_id in pools])
             for result in touched:
                 if isinstance(result, Exception):

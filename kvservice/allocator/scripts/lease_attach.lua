@@ -3,7 +3,7 @@
 ---
 --- KEYS[1]: the lease hash; KEYS[2]: the lease's pools set.
 --- ARGV[1]: msgpack map {lease_id, pools = [pool id], tombstone_ms}
---- Returns msgpack {tenant, deadline_ms}; or an error (lib/codec): NOT_FOUND,
+--- Returns msgpack {tenant, deadline_ms, left_ms (its time left, for the pools' shards)}; or an error (lib/codec): NOT_FOUND,
 ---   FAILED_PRECONDITION (reason LEASE_EXPIRED).
 --- @include "lib/time"
 --- @include "lib/lease"
@@ -16,6 +16,6 @@ local _, res = guarded(function()
     redis.call('SADD', K_LEASE_POOLS, unpack(p.pools))
     redis.call('PEXPIRE', K_LEASE_POOLS, (l.deadline_ms - now) + p.tombstone_ms)
   end
-  return reply({tenant = l.tenant, deadline_ms = l.deadline_ms})
+  return reply({tenant = l.tenant, deadline_ms = l.deadline_ms, left_ms = l.deadline_ms - now})
 end)
 return res

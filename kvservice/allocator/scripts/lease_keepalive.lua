@@ -3,7 +3,7 @@
 ---
 --- KEYS[1]: the lease hash; KEYS[2]: the lease's pools set.
 --- ARGV[1]: msgpack map {lease_id, tombstone_ms}
---- Returns msgpack {lease_id, tenant, ttl_ms, deadline_ms, pools}; or an error (lib/codec):
+--- Returns msgpack {lease_id, tenant, ttl_ms, deadline_ms (this shard's clock), pools}; or an error (lib/codec):
 ---   NOT_FOUND, FAILED_PRECONDITION (reason LEASE_EXPIRED).
 --- @include "lib/time"
 --- @include "lib/lease"

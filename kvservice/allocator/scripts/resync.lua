@@ -39,8 +39,8 @@
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key;
 --- KEYS[18]: the run's key (keys.resync_key).
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
----   lease_id, tenant (the lease's, for lib/held), lease_deadline_ms (0: attached to the
----   pool already), touch_deadline_ms (the lease's deadline after the Sync's keep-alive,
+---   lease_id, tenant (the lease's, for lib/held), lease_left_ms (its time left, ms; 0:
+---   attached to the pool already), touch_left_ms (its time left after the Sync's keep-alive,
 ---   raised here as lease_touch does; 0: none), first_entry, cap, run (the run's id),
 ---   part (0: the first), budget (blocks of work per part), total (claims in all),
 ---   offset, claims = [{n, t (num_tokens), tab = [block ids], c (committed blocks), h (the
@@ -70,7 +70,7 @@ local ok, epoch = guarded(function()
     bad('FAILED_PRECONDITION', 'the resync of lease ' .. lease .. ' in pool ' .. p.pool .. ' was superseded by ' ..
       'another one, or its parts came too far apart; start it again', {reason = 'RESYNC_SUPERSEDED'})
   end
-  if attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+  if attach then redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.lease_left_ms, lease) end
   return epoch
 end)
 if not ok then return epoch end

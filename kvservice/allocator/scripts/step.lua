@@ -4,7 +4,7 @@
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
 --- ARGV[1]: msgpack map
 ---   pool, request_id ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
----   lease_deadline_ms (0: the lease is attached to this pool already), tenant (the
+---   lease_left_ms (the lease's time left, ms; 0: it is attached to this pool already), tenant (the
 ---   lease's; '' when not looked up: the pool's record of the lease names it, lib/held),
 ---   quota = {blocks, sequences} (the tenant's quotas in the pool; 0: none), max_blocks,
 ---   max_fork_refs (the block references the step's forks may add at most), max_release
@@ -57,7 +57,7 @@ local function check_pool_and_lease()
     if c.epoch ~= epoch then bad('STALE_EPOCH', 'pool ' .. p.pool .. ' is at epoch ' .. epoch, {epoch = epoch}) end
   end
   -- The lease must be live here, or (for creates) live in its own record.
-  local attach = lease_in_pool(p.pool, lease, p.lease_deadline_ms, now, #creates > 0)
+  local attach = lease_in_pool(p.pool, lease, p.lease_left_ms, now, #creates > 0)
   return epoch, num_blocks, bs, attach
 end
 
@@ -435,7 +435,7 @@ local out_made = {}
 for _, rec in ipairs(plan.made) do out_made[#out_made + 1] = store_new(rec) end
 write_records(put_meta, put_tab, del, lseq_add, lseq_del)
 held_write(plan.held, plan.db, plan.ds)
-if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+if plan.attach then redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.lease_left_ms, lease) end
 local out_copies = {}
 for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end
 stats.sequences_created = nkids + nmade

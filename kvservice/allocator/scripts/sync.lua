@@ -24,8 +24,9 @@
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
 ---   lease_id, tenant (the lease's), quota = {blocks, sequences} (the tenant's quotas in the
----   pool, lib/held; 0: none), lease_deadline_ms (0: attached to the pool already), touch_deadline_ms (the
----   lease's deadline after the Sync's keep-alive, raised here as lease_touch does; 0: none), first_entry (the
+---   pool, lib/held; 0: none), lease_left_ms (the lease's time left, ms; 0: attached to the pool already),
+---   touch_left_ms (the lease's time left after the Sync's keep-alive, raised here as lease_touch
+---   does; 0: none), first_entry (the
 ---   number of the journal's first entry), journal = {n, and columns of n: kinds,
 ---   sequences, num_tokens, children, num_blocks, num_commits; blocks (num_blocks[i] per
 ---   entry, in order), commits (num_commits[i] hash hex per entry), parents (the parent
@@ -459,7 +460,7 @@ if p.want_sequence_numbers > 0 then
   if num_seqs > 0 then first_seq = redis.call('HINCRBY', K_META, 'next_seq', num_seqs) - num_seqs + 1 end
 end
 held_write(held, held_blocks + #granted, held_seqs + num_seqs)
-if plan.attach then redis.call('ZADD', K_LEASES, 'GT', p.lease_deadline_ms, lease) end
+if plan.attach then redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.lease_left_ms, lease) end
 if plan.done > 0 or #p.returned > 0 or #granted > 0 or num_seqs > 0 or plan.attach then changed() end
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = plan.applied, granted = granted,

@@ -4,7 +4,8 @@
 --- by themselves.
 ---
 --- KEYS[1]: the tenant's leases (zset lease id -> deadline, ms).
---- ARGV[1]: msgpack map {op, lease_id, deadline_ms (for 'touch': the lease's new deadline),
+--- ARGV[1]: msgpack map {op, lease_id, left_ms (for 'touch': the lease's time left after the keep-alive:
+---   its deadline is this shard's clock + left_ms),
 ---   ttl_ms and limit (for 'admit': the lease's TTL and the quota)}
 --- Returns msgpack {leases (the tenant's live leases after the call)}; or an error
 ---   (lib/codec): RESOURCE_EXHAUSTED {reason QUOTA_EXCEEDED, quota 'leases', limit} when
@@ -21,7 +22,7 @@ local _, res = guarded(function()
   if p.op == 'drop' then
     redis.call('ZREM', K, p.lease_id)
   elseif p.op == 'touch' then
-    redis.call('ZADD', K, 'GT', p.deadline_ms, p.lease_id)
+    redis.call('ZADD', K, 'GT', now + p.left_ms, p.lease_id)
   else
     if not redis.call('ZSCORE', K, p.lease_id) then
       local n = redis.call('ZCARD', K)

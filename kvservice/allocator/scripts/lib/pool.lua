@@ -16,13 +16,15 @@ end
 
 -- Whether a lease must be attached to the pool by this call (true) or is live in it
 -- already (false). A lease the pool does not know is attached when ``attachable``, with
--- the deadline the caller read from the lease's own record (0: none read: the internal
--- LEASE_UNKNOWN asks the caller to attach it first). LEASE_EXPIRED for a lease that the
--- pool saw expire or be revoked, or whose deadline has passed. While the lease resyncs
+-- the time it has left as the caller read it from the lease's own record, ``left_ms``
+-- (0: none read: the internal LEASE_UNKNOWN asks the caller to attach it first): its
+-- deadline here is this shard's clock + left_ms (a lease's record may live on another
+-- shard, whose clock is not this one's). LEASE_EXPIRED for a lease that the pool saw
+-- expire or be revoked, or that has no time left. While the lease resyncs
 -- in parts (K_STATE "resync:<lease>", scripts/resync.lua) its records are the resync's
 -- alone: any other call of it fails (FAILED_PRECONDITION, reason RESYNC_IN_PROGRESS),
 -- unless ``resyncing`` (the resync's own parts).
-local function lease_in_pool(pool, lease, deadline_ms, now, attachable, resyncing)
+local function lease_in_pool(pool, lease, left_ms, now, attachable, resyncing)
   local deadline = tonumber(redis.call('ZSCORE', K_LEASES, lease))
   if deadline and deadline > now then
     if not resyncing and redis.call('HEXISTS', K_STATE, 'resync:' .. lease) == 1 then
@@ -36,8 +38,8 @@ local function lease_in_pool(pool, lease, deadline_ms, now, attachable, resyncin
       {reason = 'LEASE_EXPIRED'})
   end
   if not attachable then return false end
-  if deadline_ms == 0 then bad('LEASE_UNKNOWN', 'lease ' .. lease .. ' is not attached to ' .. pool) end
-  if not (deadline_ms > now) then
+  if left_ms == 0 then bad('LEASE_UNKNOWN', 'lease ' .. lease .. ' is not attached to ' .. pool) end
+  if not (left_ms > 0) then
     bad('FAILED_PRECONDITION', 'lease ' .. lease .. ' has expired', {reason = 'LEASE_EXPIRED'})
   end
   return true

@@ -51,7 +51,7 @@ local function reclaim_reserve(lease, budget)
   return #fields, done
 end
 
--- Checks a Sync's pool part (p: pool, epoch, lease_id, lease_deadline_ms): the epoch and
+-- Checks a Sync's pool part (p: pool, epoch, lease_id, lease_left_ms): the epoch and
 -- the lease. Returns the pool's epoch, num_blocks, block_size and whether the lease must
 -- be attached to the pool (``resyncing``: see lease_in_pool).
 local function check_sync_target(p, resyncing)
@@ -60,14 +60,15 @@ local function check_sync_target(p, resyncing)
     bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' is at epoch ' .. epoch .. ', not ' ..
       string.format('%d', p.epoch) .. ' (re-registered since)', {reason = 'EPOCH_CHANGED', epoch = epoch})
   end
-  local attach = lease_in_pool(p.pool, p.lease_id, p.lease_deadline_ms, now_ms(), true, resyncing)
+  local attach = lease_in_pool(p.pool, p.lease_id, p.lease_left_ms, now_ms(), true, resyncing)
   return epoch, num_blocks, bs, attach
 end
 
 -- The keep-alive's side of a Sync in this pool (as lease_touch), first, whatever becomes
--- of the rest: the lease's deadline raised to p.touch_deadline_ms where the pool knows it.
+-- of the rest: the lease's deadline raised to this shard's clock + p.touch_left_ms where
+-- the pool knows it.
 local function touch_lease(p)
-  if p.touch_deadline_ms > 0 and redis.call('ZSCORE', K_LEASES, p.lease_id) then
-    redis.call('ZADD', K_LEASES, 'GT', p.touch_deadline_ms, p.lease_id)
+  if p.touch_left_ms > 0 and redis.call('ZSCORE', K_LEASES, p.lease_id) then
+    redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.touch_left_ms, p.lease_id)
   end
 end
