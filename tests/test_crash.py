@@ -1,6 +1,7 @@
 """Crashes: a client process killed with SIGKILL while it holds sequences leaves no
 allocated block once its lease TTL has passed; an allocator replica killed with SIGKILL
-loses nothing, because the state lives in Redis and another replica serves it."""
+loses nothing, because the state lives in Redis and another replica serves it. On one
+Redis and on a local 3-primary Redis Cluster."""
 
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ from helpers import audit, client_env, stats
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 1.0
 
+#: (each test also runs on a local 3-primary Redis Cluster)
+pytestmark = pytest.mark.cluster_too
+
 # The client process: a lease of TTL seconds, sequences in two pools (shared prefixes,
 # forks, copy-on-write), then "ready" with what it holds, then it sleeps until killed.
 CLIENT = r"""
 import json, sys, time
 from kvservice.client import Client
+
 
 target, ttl = sys.argv[1], float(sys.argv[2])
 client = Client(target, tenant="crash", lease_ttl=ttl)

@@ -1,5 +1,6 @@
-"""End to end: the engine over real processes (an embedded Redis, an allocator, two model
-workers), checked against the same model run by Hugging Face in this process.
+"""End to end: the engine over real processes (an embedded Redis, or a local Redis
+Cluster; an allocator, two model workers), checked against the same model run by Hugging
+Face in this process.
 
 After every test the allocator's audit is clean and every block is free again.
 """
@@ -27,10 +28,12 @@ LOGITS_ATOL = 1e-3
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(scope="module")
-def stack():
-    """Two workers with 128 blocks each."""
-    with Stack(2, model=MODEL, model_seed=SEED, block_size=BS, num_blocks=128) as s:
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def stack(request):
+    """Two workers with 128 blocks each, over one Redis, then over a local Redis Cluster of
+    3 primaries (+ a replica each)."""
+    with Stack(2, model=MODEL, model_seed=SEED, block_size=BS, num_blocks=128,
+               redis_cluster=3 if request.param == "cluster" else 0) as s:
         yield s
 
 
@@ -188,6 +191,7 @@ def test_demo_json_prints_the_seven_figures():
     assert 0 < report["kv_utilization"] <= 1 and 0 < report["sharing_saving"] < 1
 
 
+@pytest.mark.parametrize("stack", ["redis"], indirect=True)   # (one Redis: its keys rolled back in one MULTI)
 def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_same_outputs(stack):
     """Redis loses the writes of a few steps (its keys put back as they were, in one
     transaction): the SDK resyncs, the sequences it cannot keep are reported lost, and the

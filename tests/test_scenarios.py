@@ -1,5 +1,6 @@
 """The allocator's contract (DESIGN §3), one named scenario per test, against real Redis
-servers (every flavour) through a real gRPC server and the SDK."""
+servers (every flavour, and a local 3-primary Redis Cluster) through a real gRPC server
+and the SDK."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from kvservice.client import Client
 from kvservice.v1 import allocator_pb2 as pb
 
 from helpers import audit, snapshot, stats
+
+pytestmark = pytest.mark.cluster_too
 
 BS = 4
 

@@ -50,9 +50,9 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
-import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import event as _event
 from hypothesis import strategies as st
@@ -63,7 +63,7 @@ from kvservice.allocator import keys
 from kvservice.common import hashing
 from kvservice.client import Client
 
-from helpers import ServerThread, audit, sdk_call
+from helpers import ServerThread, audit, flush, sdk_call, sync_redis
 
 BS = 4
 NUM_BLOCKS = 32
@@ -443,7 +443,7 @@ def event(name: str) -> None:
 class AllocatorMachine(RuleBasedStateMachine):
     redis_url = ""
     target = ""
-    redis: redis.Redis
+    redis: Any                # a blocking Redis client (a cluster client on a cluster)
     examples = 0
     coverage: Counter = Counter()
 
@@ -451,7 +451,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         cls = type(self)
         cls.examples += 1
-        self.redis.flushall()
+        flush(self.redis_url)
         self.pool = f"sm{cls.examples}"
         self.model = Model()
         self.handles = {}
@@ -739,8 +739,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 # Passing: well under a minute. Failing: Hypothesis shrinks for up to 5 minutes more.
 @pytest.mark.timeout(600)
+@pytest.mark.cluster_too
 def test_allocator_state_machine(redis_url):
-    with ServerThread(redis_url) as server, redis.Redis.from_url(redis_url) as r:
+    with ServerThread(redis_url) as server, sync_redis(redis_url) as r:
         AllocatorMachine.redis_url = redis_url
         AllocatorMachine.target = server.target
         AllocatorMachine.redis = r
