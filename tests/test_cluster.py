@@ -100,6 +100,23 @@ def on_cluster():
         yield c, a
 
 
+def test_kvservice_audit_checks_a_cluster_from_the_url_of_any_node(on_cluster):
+    import subprocess
+    import sys
+
+    from kvservice.client import Client
+
+    cluster, allocator = on_cluster
+    with Client(allocator.target, tenant="t") as c:
+        for i in range(3):
+            c.register_pool(f"audited-{i}", num_blocks=32, block_size=4)
+        c.create(list(range(10)), pool="audited-1")
+        out = subprocess.run([sys.executable, "-m", "kvservice", "audit", "--redis-url", cluster.url],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "audit ok" in out.stdout and "pool audited-1 (epoch 1): 32 blocks = 29 free" in out.stdout
+
+
 @pytest.mark.parametrize("local", [True, False], ids=["local", "remote"])
 def test_pools_spread_over_the_shards_serve_creates_forks_and_frees_and_the_audit_is_clean(on_cluster, local):
     from kvservice.client import Client
