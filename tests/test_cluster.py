@@ -348,3 +348,48 @@ def test_wait_on_one_redis_without_replicas_answers_unavailable_and_changes_are_
         first = plain_stub.Step(request, timeout=10)          # (an allocator that does not wait)
         assert len(first.created[0].block_table) == 3
         assert plain_stub.GetPoolStats(pb.GetPoolStatsRequest(pool_id="p"), timeout=10).num_sequences == 1
+
+
+def test_the_reaper_frees_expired_leases_on_healthy_shards_while_one_shard_fails_over():
+    """A lease (TTL 1 s) holding sequences in pools on all three shards expires as the
+    primary of the shard holding the pool registry is SIGKILLed: its pools on the two other
+    shards are reaped while that shard fails over, and its own pools once it is back."""
+    from kvservice.allocator import keys
+    from kvservice.client import Client
+    from kvservice.tools.launcher import AllocatorProcess
+    from kvservice.v1 import allocator_pb2 as pb
+
+    with EmbeddedCluster(3, 1, flavor=FLAVORS[0], secure=True, node_timeout_ms=2000) as cluster, \
+            AllocatorProcess(cluster.url, args=("--reap-interval", "0.1")) as allocator, \
+            RedisCluster.from_url(cluster.admin_url) as rc, Client(allocator.target, tenant="admin") as admin:
+        victim_port = _node_port(rc, keys.POOLS)
+        by_shard: dict[int, list[str]] = {}
+        for p in (f"r-{i}" for i in range(64)):
+            by_shard.setdefault(_node_port(rc, keys.pool_key(p, "meta")), []).append(p)
+        pools = [p for ps in by_shard.values() for p in ps[:2]]
+        assert len(by_shard) == 3
+        for p in pools:
+            admin.register_pool(p, num_blocks=64, block_size=4)
+        c = Client(allocator.target, tenant="t", lease_ttl=1.0, keepalive=False)
+        for p in pools:
+            c.create(list(range(10)), pool=p)
+        c.close(revoke=False)                                # the lease expires in ~1 s
+        cluster.kill(next(i for i, n in enumerate(cluster.nodes) if n.port == victim_port))
+        t0 = time.monotonic()
+        healthy = [p for port, ps in by_shard.items() if port != victim_port for p in ps[:2]]
+
+        def left(ps):
+            return sum(admin.pool_stats(p).num_sequences for p in ps)
+
+        while left(healthy):
+            assert time.monotonic() - t0 < 15, "the healthy shards' pools were not reaped"
+            time.sleep(0.05)
+        reaped = time.monotonic() - t0
+        while left(pools):
+            assert time.monotonic() - t0 < 30, "the failed-over shard's pools were not reaped"
+            time.sleep(0.1)
+        print(f"healthy shards reaped {reaped:.1f} s after the kill, all {time.monotonic() - t0:.1f} s after")
+        assert reaped < 4.0                                  # (the lease expired at ~1 s)
+        audit = admin.stub.Audit(pb.AuditRequest(), timeout=30)
+        assert audit.ok, list(audit.problems)
+        assert "reaper: pool" in allocator.log() and "skipped, its Redis is unreachable" in allocator.log()

@@ -29,6 +29,12 @@ from kvservice.common.security import read_secret
 from kvservice.common.settings import echo
 
 log = logging.getLogger(__name__)
+
+#: Pools the reaper sweeps at once, and how long one reap call may take before its pool
+#: is skipped for this sweep (a normal one takes milliseconds; a shard that fails over
+#: leaves its calls hanging for seconds).
+REAP_CONCURRENCY = 16
+REAP_CALL_TIMEOUT = 2.0
 DEFAULT_PAGE, MAX_PAGE = 100, 1000
 
 
@@ -217,23 +223,30 @@ class Allocator(StepOps, ReserveOps):
         whose Redis (shard) is unreachable is skipped and logged: the others are reaped all
         the same (on a Redis Cluster, while one shard fails over)."""
         total = {"leases": 0, "sequences": 0}
-        failed: list[tuple[str, Exception]] = []
-        pools = await self.store.pool_ids(cached=True)
-        for pool_id in pools:
-            for _ in range(1000):
-                try:
-                    reply = await self.store.reap(pool_id, tombstone_ms=self._tombstone_ms())
-                except errors.NotFound:
-                    break
-                except (*REDIS_DOWN, errors.Unavailable) as exc:
-                    failed.append((pool_id, exc))
-                    break
-                total["leases"] += reply["leases"]
-                total["sequences"] += reply["sequences"]
-                if not reply["more"]:
-                    break
+        failed: list[tuple[str, BaseException]] = []
+        limit = asyncio.Semaphore(REAP_CONCURRENCY)
+
+        async def reap_pool(pool_id: str) -> None:
+            async with limit:
+                for _ in range(1000):
+                    try:
+                        reply = await asyncio.wait_for(
+                            self.store.reap(pool_id, tombstone_ms=self._tombstone_ms()), REAP_CALL_TIMEOUT)
+                    except errors.NotFound:
+                        return
+                    except (*REDIS_DOWN, errors.Unavailable, asyncio.TimeoutError) as exc:
+                        failed.append((pool_id, exc))
+                        return
+                    total["leases"] += reply["leases"]
+                    total["sequences"] += reply["sequences"]
+                    if not reply["more"]:
+                        return
+
+        # (concurrently: a shard that hangs while it fails over holds back its pools only)
+        await asyncio.gather(*(reap_pool(p) for p in await self.store.pool_ids(cached=True)))
         for pool_id, exc in failed:
-            log.warning("reaper: pool %s skipped, its Redis is unreachable: %s", pool_id, exc)
+            log.warning("reaper: pool %s skipped, its Redis is unreachable: %s", pool_id,
+                        exc if str(exc) else type(exc).__name__)
         return total
 
     # ------------------------------------------------------------ helpers

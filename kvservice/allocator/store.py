@@ -10,6 +10,7 @@ file and line (``lua.LuaScript.explain``). Reads that must be consistent are one
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any, Callable, Iterable
 
@@ -88,6 +89,9 @@ def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, *, 
 
 #: How long a replica serves placement and the reaper from the pool list it read (seconds).
 POOL_LIST_TTL = 1.0
+#: How long a refresh of that list may take before the list it had is served instead (the
+#: registry's shard may be failing over: its calls then hang for seconds).
+POOL_LIST_WAIT = 0.25
 
 #: The scripts that hand out or free blocks: with ``Store.wait_replicas``, each is
 #: acknowledged only once that many replicas of its shard have its writes (``WAIT``).
@@ -231,12 +235,21 @@ class Store:
         on a Redis Cluster the registry (another slot) is added to after the script."""
         pool_id = payload["pool"]
         args = self._pool_args(pool_id, payload["request_id"])
-        self._pool_list = None
+        self._stale_pool_list()
         if not self.cluster:
-            return await self._call("register_pool", args + [keys.POOLS], payload)
-        reply = await self._call("register_pool", args, payload)
-        await self.redis.sadd(keys.POOLS, pool_id)
+            reply = await self._call("register_pool", args + [keys.POOLS], payload)
+        else:
+            reply = await self._call("register_pool", args, payload)
+            await self.redis.sadd(keys.POOLS, pool_id)
+        self._stale_pool_list(pool_id)
         return reply
+
+    def _stale_pool_list(self, also: str = "") -> None:
+        """The cached pool list (plus ``also``) is to be read again at the next use; it is
+        kept all the same, to serve while the registry's shard is away."""
+        if self._pool_list is not None:
+            ids = self._pool_list[1]
+            self._pool_list = (-math.inf, sorted({*ids, also}) if also and also not in ids else ids)
 
     async def step(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
         """Runs one step script per pool (pipelined); returns each pool's reply or error
@@ -361,15 +374,21 @@ class Store:
         hot paths (placement, the reaper) that would otherwise read the registry's shard on
         every create; a pool another replica registers is seen within that time. Pools are
         never unregistered. While the registry's Redis (shard) is unreachable, ``cached``
-        keeps the list it had, so the pools on the other shards go on being served."""
+        keeps the list it had (and does not wait more than ``POOL_LIST_WAIT`` for a new
+        one), so the pools on the other shards go on being served."""
         now = time.monotonic()
-        if cached and self._pool_list is not None and now - self._pool_list[0] < POOL_LIST_TTL:
-            return self._pool_list[1]
+        stale = self._pool_list if cached else None
+        if stale is not None and now - stale[0] < POOL_LIST_TTL:
+            return stale[1]
         try:
-            ids = sorted(m.decode() for m in await self.redis.smembers(keys.POOLS))
-        except REDIS_DOWN:
-            if cached and self._pool_list is not None:
-                return self._pool_list[1]   # the registry's shard is away: the pools known so far
+            read = self.redis.smembers(keys.POOLS)
+            members = await (asyncio.wait_for(read, POOL_LIST_WAIT) if stale is not None else read)
+            ids = sorted(m.decode() for m in members)
+        except (*REDIS_DOWN, asyncio.TimeoutError):
+            if stale is not None:
+                # The registry's shard is away: the pools known so far, for another while.
+                self._pool_list = (now, stale[1])
+                return stale[1]
             raise
         self._pool_list = (now, ids)
         return ids
