@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -393,3 +394,77 @@ def test_the_reaper_frees_expired_leases_on_healthy_shards_while_one_shard_fails
         audit = admin.stub.Audit(pb.AuditRequest(), timeout=30)
         assert audit.ok, list(audit.problems)
         assert "reaper: pool" in allocator.log() and "skipped, its Redis is unreachable" in allocator.log()
+
+
+def test_shards_whose_clocks_differ_by_hours_hold_a_lease_by_its_time_left_and_reap_it_on_time(tmp_path):
+    """One primary's clock runs an hour ahead, another's an hour behind (an LD_PRELOAD
+    shim, tests/native/clock_offset.c). A lease whose record is on the fast shard and one
+    whose record is on the slow shard each hold sequences in pools on all three shards:
+    both are kept alive and stepped for several TTLs (an absolute deadline from the slow
+    shard would have expired at once on the fast one), and once their keep-alives stop,
+    every shard reaps them within about a TTL (one from the fast shard would have lived
+    two hours more on the slow one)."""
+    import shutil
+    import subprocess
+
+    from kvservice.allocator import keys
+    from kvservice.client import Client
+    from kvservice.tools.launcher import AllocatorProcess
+
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    assert gcc, "a C compiler builds the clock shim (the machine has gcc)"
+    shim = tmp_path / "clock_offset.so"
+    source = Path(__file__).parent / "native" / "clock_offset.c"
+    subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-o", str(shim), str(source), "-ldl"], check=True)
+    cluster = EmbeddedCluster(3, 0, flavor=FLAVORS[0], node_timeout_ms=2000)
+    offsets = {0: 3600, 1: -3600, 2: 0}
+    for i, off in offsets.items():
+        if off:
+            cluster.nodes[i].env = {"LD_PRELOAD": str(shim), "KVS_CLOCK_OFFSET_S": str(off)}
+    ttl = 1.5
+    with cluster, AllocatorProcess(cluster.url, args=("--reap-interval", "0.1")) as allocator, \
+            RedisCluster.from_url(cluster.url) as rc, Client(allocator.target, tenant="admin") as admin:
+        port_of = {n.port: i for i, n in enumerate(cluster.nodes)}
+        clocks = {}
+        for node in rc.get_primaries():
+            sec, _ = rc.time(target_nodes=node)
+            clocks[port_of[node.port]] = sec - time.time()
+        assert abs(clocks[0] - 3600) < 5 and abs(clocks[1] + 3600) < 5 and abs(clocks[2]) < 5, clocks
+
+        def shard(key: str) -> int:
+            return port_of[rc.get_node_from_key(key).port]
+
+        pools = {}
+        for p in (f"c-{i}" for i in range(64)):
+            pools.setdefault(shard(keys.pool_key(p, "meta")), p)
+        assert sorted(pools) == [0, 1, 2]
+        for p in pools.values():
+            admin.register_pool(p, num_blocks=64, block_size=4)
+        leases: dict[int, Client] = {}                       # home shard -> a client whose lease lives there
+        spare = []
+        while len(leases) < 2:
+            c = Client(allocator.target, tenant="t", lease_ttl=ttl)
+            home = shard(keys.lease_keys(c.lease_id)[0])
+            if home in (0, 1) and home not in leases:
+                leases[home] = c
+            else:
+                spare.append(c)
+        for c in spare:
+            c.close()
+        seqs = {home: [c.create(list(range(10)), pool=p) for p in pools.values()] for home, c in leases.items()}
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3 * ttl:              # kept alive, stepped: nothing is reaped
+            for home, c in leases.items():
+                c.step({s: [1] for s in seqs[home]})
+            time.sleep(0.05)
+        for c in leases.values():
+            assert c.lease_error is None
+            c.flush()
+            c.close(revoke=False)                            # no more keep-alives
+        stopped = time.monotonic()
+        while any(admin.pool_stats(p).num_sequences for p in pools.values()):
+            assert time.monotonic() - stopped < ttl + 5, {
+                p: admin.pool_stats(p).num_sequences for p in pools.values()}
+            time.sleep(0.05)
+        print(f"clocks {clocks}; both leases reaped on every shard {time.monotonic() - stopped:.1f} s "
+              f"after their last keep-alive (TTL {ttl} s)")

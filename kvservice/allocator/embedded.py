@@ -150,6 +150,8 @@ class EmbeddedRedis:
         #: More configuration lines (``cluster-enabled yes``, ...), written to the private
         #: configuration file.
         self.config = config
+        #: More environment variables of the server process (set before ``start``).
+        self.env: dict[str, str] = {}
         self.binary = find_server(flavor)
         self.port = free_port() if port == 0 else port
         self.aof = aof
@@ -221,7 +223,8 @@ class EmbeddedRedis:
                 "--logfile", os.path.join(self._dir.name, "redis.log")]
         self.proc = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True,
+                                     env={**os.environ, **self.env} if self.env else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
