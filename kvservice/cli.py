@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, limits, demo, simulate."""
+"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, limits, shards, demo, simulate."""
 
 from __future__ import annotations
 
@@ -151,6 +151,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _shards(args: argparse.Namespace) -> int:
+    from kvservice.tools.shards import main as shards_main
+
+    return shards_main(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvservice.engine.demo import main as demo_main
 
@@ -273,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "waits for its forward pass; default 0: steps back to back, the targets' trace")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
+
+    from kvservice.tools.shards import DESCRIPTION as shards_description, add_arguments as shards_arguments
+
+    p = sub.add_parser("shards", help="measure on a local Redis Cluster what scales: each shard's share of the "
+                                      "load over many pools, one shard's step-script ceiling, the capacity at 3, "
+                                      "6 and 12 shards", description=shards_description)
+    shards_arguments(p)
+    p.set_defaults(func=_shards)
 
     p = sub.add_parser("up", help="start an embedded Redis, an allocator, N model workers and, with --http, the "
                                   "OpenAI-compatible HTTP API; run until Ctrl-C")

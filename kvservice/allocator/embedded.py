@@ -388,7 +388,10 @@ class EmbeddedCluster:
                     end = self.SLOTS if i == self.num_primaries - 1 else (i + 1) * per
                     a.execute_command("CLUSTER", "ADDSLOTS", *range(i * per, end))
                 ids = [a.execute_command("CLUSTER", "MYID") for a in admins]
-                self._wait(admins, lambda a: len(_cluster_nodes(a)) == len(self.nodes), timeout, "to meet")
+                # (met: every node lists every node, none still in handshake under a
+                # temporary id, which CLUSTER REPLICATE would not know)
+                self._wait(admins, lambda a: len(nodes := _cluster_nodes(a)) == len(self.nodes)
+                           and not any("handshake" in n["flags"] for n in nodes), timeout, "to meet")
                 for j, a in enumerate(admins[self.num_primaries:]):
                     a.execute_command("CLUSTER", "REPLICATE", ids[j % self.num_primaries])
                 self._wait(admins, lambda a: a.execute_command("CLUSTER", "INFO").find("cluster_state:ok") >= 0,
