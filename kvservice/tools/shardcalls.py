@@ -196,6 +196,15 @@ class _Caller:
             counts["grown"] += grown
 
 
+async def _stopped(stop: asyncio.Event, tasks: list[asyncio.Task], who: str) -> None:
+    """Stops the callers and waits for them; raises the first one's failure."""
+    stop.set()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [r for r in done if isinstance(r, BaseException)]
+    if failed:
+        raise RuntimeError(f"{who} failed: {failed[0]!r}") from failed[0]
+
+
 async def _drive(a: Any, pool: str, lease: str, k: int, rng: random.Random, stop: asyncio.Event,
                  counts: dict[str, int]) -> None:
     """One caller of part 2 (``_Caller``) until ``stop``."""
@@ -233,11 +242,7 @@ async def _single_shard(url: str, pools: list[str], admin: Any, args: argparse.N
             await asyncio.sleep(args.single_seconds)
             after, driven1, wall = node_stats(admin), dict(counts), time.perf_counter() - t0
         finally:
-            stop.set()
-            done = await asyncio.gather(*tasks, return_exceptions=True)
-        errors_ = [r for r in done if isinstance(r, BaseException)]
-        if errors_:
-            raise RuntimeError(f"a step caller failed: {errors_[0]!r}") from errors_[0]
+            await _stopped(stop, tasks, "a step caller")
         for lease in leases:
             await a.revoke_lease(lease)
     finally:
@@ -330,11 +335,7 @@ async def _wait_cost(url: str, pools: list[str], admin: Any, replica_admin: Any,
                 await asyncio.wait(tasks, timeout=seconds)
                 calls, wall = c["calls"] - before, time.perf_counter() - t0
             finally:
-                stop.set()
-                done = await asyncio.gather(*tasks, return_exceptions=True)
-            errors_ = [r for r in done if isinstance(r, BaseException)]
-            if errors_:
-                raise RuntimeError(f"a step caller ({mode}) failed: {errors_[0]!r}") from errors_[0]
+                await _stopped(stop, tasks, f"a step caller ({mode})")
             return calls, wall, time.perf_counter() - t0
 
         # Warm-up: both allocators in turn (each opens its connections) until the pools
