@@ -25,6 +25,21 @@ HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
+def check_cuda_geometry(head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Raises ``ValueError`` naming the first value of a pool's geometry that the CUDA
+    kernels are not built for (a GPU worker checks at start-up, before it registers a pool
+    whose every attention call would fail)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not one the CUDA kernels are built for: "
+                         f"{', '.join(map(str, HEAD_DIMS))}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size {block_size} is not one the CUDA kernels are built for: "
+                         f"{', '.join(map(str, BLOCK_SIZES))}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype} is not one the CUDA kernels are built for: "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
+
+
 class KVBackend(Protocol):
     """What a worker needs from its kernels. Every method raises ``ValueError`` naming
     the offending argument on a dtype, shape, device or contiguity mismatch."""

@@ -99,3 +99,21 @@ def test_bad_worker_flags_exit_2_with_the_reason():
                          timeout=60)
     assert out.returncode == 2
     assert "kv_memory 'lots' is neither a size" in out.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--head-dim", "96"), "head_dim 96 is not one the CUDA kernels are built for: 64, 128, 256"),
+    (("--block-size", "256"), "block_size 256 is not one the CUDA kernels are built for: 8, 16, 32, 64, 128"),
+], ids=["head-dim-96", "block-size-256"])
+def test_a_cuda_worker_whose_geometry_the_kernels_lack_exits_at_start_up_naming_it(allocator, flags, message):
+    """(Checked before the device is touched, so it holds on a machine without a GPU too;
+    the pool is never registered.)"""
+    import subprocess
+    import sys
+
+    args = dict(zip(GEOMETRY[::2], GEOMETRY[1::2])) | {"--device": "cuda"} | dict(zip(flags[::2], flags[1::2]))
+    out = subprocess.run([sys.executable, "-m", "worker", "--allocator", allocator.target, "--pool-id", "bad-gpu",
+                          *(x for kv in args.items() for x in kv)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and message in out.stderr, out.stderr
+    with Client(allocator.target) as c:
+        assert "bad-gpu" not in {p.pool_id for p in c.pools()}

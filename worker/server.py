@@ -20,7 +20,7 @@ import grpc
 import torch
 from grpc_health.v1 import health
 
-from kernels.backend import cuda_available
+from kernels.backend import check_cuda_geometry, cuda_available
 from kvservice.common import grpc as common_grpc
 from kvservice.common.grpc import RETRYABLE, build_server, write_port_file
 from kvservice.common.auth import AuthInterceptor, TokenFile
@@ -96,6 +96,8 @@ def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
     else:
         layers, kv_heads, head_dim = settings.num_layers, settings.num_kv_heads, settings.head_dim
         dtype = resolve_dtype(settings.dtype, device)
+    if device.type == "cuda":
+        check_cuda_geometry(head_dim, settings.block_size, dtype)
     shape = PoolShape(1, settings.block_size, layers, kv_heads, head_dim, dtype)
     num_blocks = settings.num_blocks
     if not num_blocks:
