@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA kernels: the GPU tests, then the decode benchmark (table last).
+# GPU check of the CUDA kernels: the GPU tests, compute-sanitizer's memcheck and racecheck
+# over a small grid, then the decode benchmark (table last).
 #
 #   scripts/gpu_check.sh
 #
@@ -49,6 +50,18 @@ if "$PY" -c 'import pytest_timeout' 2>/dev/null; then TIMEOUT_ARGS="--timeout=24
 echo "== GPU tests"
 timeout 210 "$PY" -m pytest tests/test_kernels_gpu.py -q -rs --noconftest -p no:cacheprovider \
     $TIMEOUT_ARGS --durations=5 || { echo "GPU tests: FAILED (exit $?)"; status=1; }
+
+echo "== compute-sanitizer (memcheck, racecheck) over a small grid"
+SANITIZER="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)"
+if [ -n "$SANITIZER" ]; then
+    for tool in memcheck racecheck; do
+        timeout 240 "$SANITIZER" --tool "$tool" --error-exitcode 3 --target-processes all \
+            "$PY" -m pytest tests/test_kernels_gpu.py -q --noconftest -p no:cacheprovider -k small_grid_for_the_sanitizer \
+            || { echo "compute-sanitizer $tool: FAILED (exit $?)"; status=1; }
+    done
+else
+    echo "compute-sanitizer: not found (it comes with the CUDA toolkit): FAILED"; status=1
+fi
 
 echo "== decode benchmark"
 timeout 120 "$PY" -m kernels.bench || { echo "benchmark: FAILED (exit $?)"; status=1; }

@@ -204,3 +204,88 @@ def test_bad_arguments_raise_value_error():
                     context_lens=[5], query_lens=[1])
     with pytest.raises(ValueError):
         CUDA.paged_attention(*cpu.args())
+
+
+def test_kernels_run_on_the_callers_stream():
+    """On a non-default stream that is still busy (a GPU sleep, then the query's copy), the
+    kernels wait for it: launched on any other stream they would read the NaN query."""
+    case = make_case(dtype=torch.bfloat16, head_dim=128, block_size=16, num_kv_heads=2, group=4,
+                     context_lens=[1, 40, 700], query_lens=[1, 1, 1], device=DEV, seed=11)
+    ref = reference_attention(*case.args())
+    query = torch.full_like(case.query, float("nan"))
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)               # ~50 ms: the query is not there yet
+        query.copy_(case.query)
+        out = CUDA.paged_attention(query, *case.args()[1:])
+        # reshape_and_cache and copy_blocks on the same busy stream
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        key = torch.full((2, 2, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+        value = torch.full_like(key, float("nan"))
+        torch.cuda._sleep(100_000_000)
+        key.fill_(1.5)
+        value.fill_(-2.0)
+        CUDA.reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([0, 1], device=DEV))
+    stream.synchronize()
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    assert torch.all(k_cache[0, :, :2] == 1.5) and torch.all(v_cache[0, :, :2] == -2.0)
+
+
+def test_a_cache_past_two_to_the_31_elements_is_addressed_in_64_bits():
+    """K and V of 2^31 + elements each (bf16, ~4.3 GiB): sequences whose blocks lie past
+    element 2^31, attended and written there, equal the same case in a small cache."""
+    small = make_case(dtype=torch.bfloat16, head_dim=128, block_size=16, num_kv_heads=8, group=4,
+                      context_lens=[33, 700, 1], query_lens=[1, 1, 1], device=DEV, seed=12)
+    ref = reference_attention(*small.args())
+    per_block = 8 * 16 * 128
+    offset = (1 << 31) // per_block + 7                  # every block used lies past element 2^31
+    num_small = small.k_cache.shape[0]
+    shape = (offset + num_small, 8, 16, 128)
+    k_big = torch.empty(shape, dtype=torch.bfloat16, device=DEV)
+    v_big = torch.empty(shape, dtype=torch.bfloat16, device=DEV)
+    assert k_big.numel() > (1 << 31)
+    k_big[offset:] = small.k_cache
+    v_big[offset:] = small.v_cache
+    tables = small.block_tables + offset
+    out = CUDA.paged_attention(small.query, k_big, v_big, tables, small.context_lens, small.query_start_loc,
+                               small.scale)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    key = torch.randn((3, 8, 128), dtype=torch.bfloat16, device=DEV)
+    value = torch.randn_like(key)
+    slots = torch.tensor([(offset + num_small - 1) * 16 + 15, offset * 16, -1], device=DEV)
+    CUDA.reshape_and_cache(key, value, k_big, v_big, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(k_big[-1, :, 15], key[0]) and torch.equal(v_big[offset, :, 0], value[1])
+    del k_big, v_big
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_small_grid_for_the_sanitizer(group):
+    """A few small launches of every kernel (``scripts/gpu_check.sh`` runs this test under
+    compute-sanitizer's memcheck and racecheck)."""
+    case = make_case(dtype=torch.float16, head_dim=64, block_size=16, num_kv_heads=2, group=group,
+                     context_lens=[1, 17, 64], query_lens=[1, 1, 3], device=DEV, seed=13)
+    _check(case)
+    _check(case, num_splits=3)
+    k, v = case.k_cache.clone(), case.v_cache.clone()
+    key = torch.randn((2, 2, 64), dtype=torch.float16, device=DEV)
+    CUDA.reshape_and_cache(key, key, k, v, torch.tensor([5, -1], device=DEV))
+    CUDA.copy_blocks(k.unsqueeze(0), v.unsqueeze(0), torch.tensor([[0, 1]], device=DEV))
+    torch.cuda.synchronize()
+    assert torch.equal(k[0, :, 5], key[0])
+
+
+def test_the_benchmark_measures_one_configuration():
+    """``kernels.bench``: events and the profiler agree on a kernel's time, every figure is
+    positive, and the FlashInfer column says why it is empty where it is."""
+    from kernels import bench
+
+    flush = torch.ones(64 << 20, dtype=torch.uint8, device=DEV)
+    r = bench.bench_one(CUDA, batch=8, context=2048, group=4, block_size=16, dtype=torch.bfloat16,
+                        num_splits=None, flush=flush, copy_bps=bench.copy_bandwidth(flush))
+    assert r["ms"] > 0 and r["GB/s"] > 0 and r["sdpa_ratio"] > 0 and r["maxdiff"] < 0.05
+    assert 0.5 < r["prof_ms"] / r["ms"] < 1.5, r
+    assert (r["flashinfer_ratio"] is None) == bool(r["flashinfer_note"])
