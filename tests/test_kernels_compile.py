@@ -34,7 +34,7 @@ def test_nvrtc_is_available():
 @pytest.fixture(scope="module")
 def compiled():
     """Every source file for both architectures, compiled once for the module."""
-    results = nvrtc_check.check_all(nvrtc_check.ARCHES)
+    results = nvrtc_check.check_all(nvrtc_check.ARCHES, ptxas_verbose=True)   # (and ptxas's report)
     return {(r.file, r.arch): r for r in results}
 
 
@@ -50,6 +50,33 @@ def test_every_instantiation_compiles(compiled, arch):
             assert lowered.startswith("_Z"), f"{name} ({arch}): lowered name {lowered!r}"
         # Distinct instantiations get distinct symbols.
         assert len(set(result.lowered.values())) == len(names)
+
+
+@needs_nvrtc
+def test_no_instantiation_spills_more_than_when_the_table_was_made(compiled):
+    """kernels/resources.json (``python -m kernels.nvrtc_check --write-baseline``) holds each
+    instantiation's registers and spills; a change that spills more fails here."""
+    table = nvrtc_check.resource_table(list(compiled.values()))
+    version, baseline = nvrtc_check.read_baseline()
+    assert ".".join(map(str, NVRTC_VERSION)) == version, \
+        f"the table is NVRTC {version}'s (pyproject pins it): regenerate it for another"
+    assert sum(map(len, table.values())) == len(nvrtc_check.ARCHES) * sum(map(len, cb.instantiations().values()))
+    assert nvrtc_check.more_spills(table, baseline) == []
+    # (the check sees one byte more than recorded, and an instantiation the table lacks)
+    name, r = next(iter(table["sm_90"].items()))
+    spilling = {**table, "sm_90": {**table["sm_90"], name: nvrtc_check.Resources(
+        r.registers, r.spill_stores + 4, r.spill_loads + 4, r.stack + 4)}}
+    assert [p.split(":")[0] for p in nvrtc_check.more_spills(spilling, baseline)] == [f"sm_90 {name}"]
+    lacking = {**baseline, "sm_90": {n: x for n, x in baseline["sm_90"].items() if n != name}}
+    assert "not in resources.json" in nvrtc_check.more_spills(table, lacking)[0]
+
+
+def test_the_docs_show_the_recorded_register_and_spill_table():
+    from pathlib import Path
+
+    _, baseline = nvrtc_check.read_baseline()
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
+    assert nvrtc_check.markdown(baseline) in docs, "refresh docs/kernels.md: python -m kernels.nvrtc_check --table"
 
 
 def test_instantiations_cover_every_launch():
