@@ -71,23 +71,21 @@ def _median_ms(fn, flush: torch.Tensor, warmup: int = 3, repeats: int = 15) -> f
 
 
 def profiled_ms(fn, flush: torch.Tensor, match: str, repeats: int = 5) -> float:
-    """The median per call of the summed time of the CUDA kernels whose name contains
-    ``match``, as ``torch.profiler`` (CUPTI) records them: the events' cross-check."""
+    """The mean per call of the summed time of the CUDA kernels whose name contains
+    ``match``, as ``torch.profiler`` (CUPTI) records them over ``repeats`` calls (each
+    after an L2 eviction): the events' cross-check."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(repeats):
-        cold_l2(flush)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            cold_l2(flush)
             fn()
-            torch.cuda.synchronize()
-        us = sum(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-                 for e in prof.key_averages() if match in e.key)
-        per_call.append(us / 1e3)
-    return statistics.median(per_call)
+        torch.cuda.synchronize()
+    us = sum(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+             for e in prof.key_averages() if match in e.key)
+    return us / 1e3 / repeats
 
 
 def flashinfer_runner(query, k_cache, v_cache, block_tables, context, scale):
