@@ -213,6 +213,7 @@ def test_kernels_run_on_the_callers_stream():
                      context_lens=[1, 40, 700], query_lens=[1, 1, 1], device=DEV, seed=11)
     ref = reference_attention(*case.args())
     query = torch.full_like(case.query, float("nan"))
+    slots = torch.tensor([0, 1], device=DEV)          # (made here: a host copy would wait for the stream)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
@@ -226,7 +227,7 @@ def test_kernels_run_on_the_callers_stream():
         torch.cuda._sleep(100_000_000)
         key.fill_(1.5)
         value.fill_(-2.0)
-        CUDA.reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([0, 1], device=DEV))
+        CUDA.reshape_and_cache(key, value, k_cache, v_cache, slots)
     stream.synchronize()
     assert_close_to_reference(out, ref, torch.bfloat16)
     assert torch.all(k_cache[0, :, :2] == 1.5) and torch.all(v_cache[0, :, :2] == -2.0)
