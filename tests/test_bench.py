@@ -56,3 +56,11 @@ def test_bench_target_needs_redis_url():
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert "--redis-url" in proc.stderr
+
+
+def test_percentile_is_the_nearest_rank():
+    from kvservice.tools.bench import percentile
+
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0 and percentile(xs, 100) == 100.0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.cli import build_parser
-from kvservice.tools.shardcalls import MODES, percentile
+from kvservice.tools.shardcalls import MODES
 from kvservice.tools.shards import CAPACITY_SHARDS, deviation, efficiency, main, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,13 +113,6 @@ def test_shards_measures_every_shard_one_shard_s_ceiling_and_the_capacity(capsys
     assert "0 fell short of 1 replica within 1000 ms" in text and "What it means: WAIT buys durability" in text
     # Without part 4 (--skip-wait), the report has none of it.
     assert "### 4." not in report(fig | {"wait": None})
-
-
-def test_percentile():
-    assert percentile([], 0.5) == 0.0
-    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    xs = [float(i) for i in range(1, 101)]
-    assert percentile(xs, 0.5) == 50.0 and percentile(xs, 0.99) == 99.0 and percentile(xs, 1.0) == 100.0
 
 
 def test_shards_help_and_bad_arguments():

@@ -16,7 +16,7 @@ from kvservice.allocator.core import Allocator
 from kvservice.allocator.embedded import EmbeddedRedis
 from kvservice.allocator.metrics import AllocatorMetrics
 from kvservice.allocator.servicer import AllocatorServicer, outcome_to_pb
-from kvservice.allocator.store import Store, connect, is_cluster, redacted
+from kvservice.allocator.store import Store, connect, redacted
 from kvservice.common.auth import AuthInterceptor, TokenFile
 from kvservice.common.grpc import build_server, write_port_file
 from kvservice.common.interceptor import ErrorInterceptor
@@ -93,13 +93,11 @@ async def running(settings: Settings):
         embedded = EmbeddedRedis(secure=True).start()
         url = embedded.url
         log.info("embedded Redis %s at %s", embedded.version(), embedded.where)
-    cluster = {"on": True, "off": False}.get(settings.redis_cluster)
-    if cluster is None:
-        cluster = not url.startswith("unix:") and is_cluster(url)
-    if cluster:
-        log.info("Redis Cluster at %s", redacted(url))
+    cluster = {"on": True, "off": False}.get(settings.redis_cluster)     # (auto: None, connect detects it)
     store = Store(connect(url, settings.redis_max_connections, settings.redis_pool_timeout, cluster=cluster),
                   wait_replicas=settings.redis_wait_replicas, wait_timeout_ms=settings.redis_wait_timeout_ms)
+    if store.cluster:
+        log.info("Redis Cluster at %s", redacted(url))
     if settings.redis_wait_replicas:
         log.info("scripts that hand out or free blocks wait for %d replica(s), %d ms at most",
                  settings.redis_wait_replicas, settings.redis_wait_timeout_ms)

@@ -248,8 +248,7 @@ class Store:
         """The cached pool list (plus ``also``) is to be read again at the next use; it is
         kept all the same, to serve while the registry's shard is away."""
         if self._pool_list is not None:
-            ids = self._pool_list[1]
-            self._pool_list = (-math.inf, sorted({*ids, also}) if also and also not in ids else ids)
+            self._pool_list = (-math.inf, sorted({*self._pool_list[1], *([also] if also else [])}))
 
     async def step(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
         """Runs one step script per pool (pipelined); returns each pool's reply or error

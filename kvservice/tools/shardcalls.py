@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import random
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from kvservice.tools.bench import percentile
 
 BLOCK_SIZE = 16
 TOKEN_RANGE = 32000
@@ -290,14 +291,6 @@ def measure_single_shard(cluster: Any, args: argparse.Namespace) -> dict[str, An
 # ---------------------------------------------------------------------------- 4. WAIT
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """The ``q`` quantile of ``xs`` (nearest rank); 0 for none."""
-    if not xs:
-        return 0.0
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, max(0, math.ceil(q * len(ys)) - 1))]
-
-
 def _wait_commands(admin: Any) -> int:
     return int(admin.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
 
@@ -381,8 +374,8 @@ async def _wait_cost(url: str, pools: list[str], admin: Any, replica_admin: Any,
     out: dict[str, Any] = {}
     for m in MODES:
         lat, dr = latencies[m], driven[m]
-        out[m] = {"latency_calls": len(lat), "p50_us": percentile(lat, 0.5) * 1e6,
-                  "p99_us": percentile(lat, 0.99) * 1e6,
+        out[m] = {"latency_calls": len(lat), "p50_us": percentile(lat, 50) * 1e6 if lat else 0.0,
+                  "p99_us": percentile(lat, 99) * 1e6 if lat else 0.0,
                   "mean_us": sum(lat) / len(lat) * 1e6 if lat else 0.0,
                   "concurrent_calls": dr["calls"], "concurrent_seconds": dr["seconds"],
                   "calls_per_s": dr["calls"] / dr["seconds"] if dr["seconds"] else 0.0,

@@ -70,7 +70,7 @@ local ok, epoch = guarded(function()
     bad('FAILED_PRECONDITION', 'the resync of lease ' .. lease .. ' in pool ' .. p.pool .. ' was superseded by ' ..
       'another one, or its parts came too far apart; start it again', {reason = 'RESYNC_SUPERSEDED'})
   end
-  if attach then redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.lease_left_ms, lease) end
+  if attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
   return epoch
 end)
 if not ok then return epoch end

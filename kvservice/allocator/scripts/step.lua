@@ -435,7 +435,7 @@ local out_made = {}
 for _, rec in ipairs(plan.made) do out_made[#out_made + 1] = store_new(rec) end
 write_records(put_meta, put_tab, del, lseq_add, lseq_del)
 held_write(plan.held, plan.db, plan.ds)
-if plan.attach then redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.lease_left_ms, lease) end
+if plan.attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
 local out_copies = {}
 for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end
 stats.sequences_created = nkids + nmade

@@ -460,7 +460,7 @@ if p.want_sequence_numbers > 0 then
   if num_seqs > 0 then first_seq = redis.call('HINCRBY', K_META, 'next_seq', num_seqs) - num_seqs + 1 end
 end
 held_write(held, held_blocks + #granted, held_seqs + num_seqs)
-if plan.attach then redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.lease_left_ms, lease) end
+if plan.attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
 if plan.done > 0 or #p.returned > 0 or #granted > 0 or num_seqs > 0 or plan.attach then changed() end
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = plan.applied, granted = granted,

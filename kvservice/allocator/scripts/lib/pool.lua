@@ -45,6 +45,12 @@ local function lease_in_pool(pool, lease, left_ms, now, attachable, resyncing)
   return true
 end
 
+-- Raises the lease's deadline in the pool to ``now`` (this shard's clock) + ``left_ms``: a
+-- time left that the caller read from the lease's own record, maybe on another shard's clock.
+local function extend_lease(lease, left_ms, now)
+  redis.call('ZADD', K_LEASES, 'GT', now + left_ms, lease)
+end
+
 -- Blocks the pool could give now: free, never used, and evictable.
 local function available_now(num_blocks)
   local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0

@@ -69,6 +69,6 @@ end
 -- the pool knows it.
 local function touch_lease(p)
   if p.touch_left_ms > 0 and redis.call('ZSCORE', K_LEASES, p.lease_id) then
-    redis.call('ZADD', K_LEASES, 'GT', now_ms() + p.touch_left_ms, p.lease_id)
+    extend_lease(p.lease_id, p.touch_left_ms, now_ms())
   end
 end
