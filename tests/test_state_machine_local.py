@@ -87,7 +87,8 @@ NUM_BLOCKS = 32
 MAX_SEQS = 12            # live sequences, so that every check stays cheap
 FAMILY = 1000            # token ids of family f at position i: f * FAMILY + i
 TTL = 60.0               # the normal clients' leases (they never expire here)
-SHORT_TTL = 0.5
+#: (1 s: keep-alives every 0.33 s, so a loaded 2-core CI machine does not trip the fence before the cut)
+SHORT_TTL = 1.0
 RETRY_BUDGET = 0.1       # the retry policy's backoffs: 2.5, 7.5, 22, 67 ms
 ATTEMPTS = 5             # gRPC's cap on attempts: this many lost replies exhaust the policy
 #: reserve cap: int(0.125 * 32) = 4 blocks; 2 while free + evictable < int(0.25 * 32) = 8
