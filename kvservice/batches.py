@@ -1,68 +1,85 @@
-"""Steps larger than one allocator call takes: ``StepBatches`` is the part of
-``kvservice.client.Client`` that spreads a step's creates and frees over several Step
-calls when the allocator's per-call limits (docs/security.md, "Limits") would refuse them
-in one. It works on the client's state and has no state of its own but a cache of the
-pools' block sizes.
+"""Steps with more items than one allocator call takes: ``StepBatches`` is the part of
+``kvservice.client.Client`` that spreads such a step over several Step calls. The
+allocator takes any sizes (a create, fork or free larger than one script call is carried
+out in parts, server side: docs/allocator.md, "Big operations in bounded calls"), but a
+Step carries at most ``max_items_per_call`` items (updates and creates) and
+``max_forks_per_call`` children.
+
+A step split so keeps one step's semantics: its frees first, then its forks (with their
+parents' appends: the children share the state before them), then the other appends,
+then its creates. The partial-result contract is a multi-pool step's: if a call is
+refused, the calls before it stay applied, and the error's ``result`` holds their
+copy-on-write pairs, children and created sequences (and its ``partial`` response has one
+entry per create of the whole step).
 """
 
 from __future__ import annotations
 
 from kvservice import errors
-from kvservice.sequence import Sequence, StepResult
+from kvservice.sequence import StepResult
 from kvservice.v1 import allocator_pb2 as pb
 
-#: Blocks one Step's frees may release: the allocator's max_release_per_call, by default
-#: (a step that frees more frees the rest in calls of its own first).
-MAX_RELEASE = 512
-#: The blocks of one Step's creates in all, and its items: the allocator's
-#: max_blocks_per_call and max_items_per_call, by default (a step with more creates makes
-#: the first ones in calls of their own).
-MAX_CREATE_BLOCKS = 512
-MAX_CREATES = 128
+#: Items (sequences updated, creates) of one Step, and children it forks: the allocator's
+#: max_items_per_call and max_forks_per_call, by default.
+MAX_ITEMS = 128
+MAX_FORKS = 128
 
 
 class StepBatches:
-    """``Client._create_groups``, ``_step_in_groups``, ``_free_ahead``."""
+    """``Client._split_step``: a step's items in groups that one Step takes each."""
 
-    def _create_groups(self, creates: list) -> list[list]:
-        """The creates in runs that one Step takes (MAX_CREATE_BLOCKS, MAX_CREATES), in order
-        (the pools' block sizes are read only when the prompts' tokens could pass it)."""
-        if len(creates) <= MAX_CREATES and sum(len(c[0]) for c in creates) <= MAX_CREATE_BLOCKS:
-            return [creates]
-        groups: list[list] = [[]]
-        blocks = 0
-        for c in creates:
-            n = -(-len(c[0]) // self._block_size(c[1]))
-            if groups[-1] and (blocks + n > MAX_CREATE_BLOCKS or len(groups[-1]) >= MAX_CREATES):
-                groups.append([])
-                blocks = 0
-            groups[-1].append(c)
-            blocks += n
-        return groups
+    def _step_groups(self, appends: dict, forks: dict, frees: list, creates: list) -> list[tuple]:
+        """The step as (appends, forks, frees, creates) groups, in the order they are sent;
+        one group when it fits in one Step. In local mode appends, forks and frees make no
+        Step of their own: only the creates are counted."""
+        local = self.local
+        if len(creates) <= MAX_ITEMS and (local or (
+                len(appends) + len(forks) + len(frees) + len(creates) <= MAX_ITEMS
+                and sum(len(c) for c in forks.values()) <= MAX_FORKS)):
+            return [(appends, forks, frees, creates)]
+        groups: list[tuple] = []
+        if not local:
+            for i in range(0, len(frees), MAX_ITEMS):
+                groups.append(({}, {}, frees[i:i + MAX_ITEMS], []))
+            # Forks (a parent's children MAX_FORKS a call), then every append: the children
+            # share their parents' state before the appends, as in one step.
+            group: dict = {}
+            children = 0
+            for s, kids in forks.items():
+                for i in range(0, len(kids), MAX_FORKS):
+                    part = kids[i:i + MAX_FORKS]
+                    if group and (len(group) >= MAX_ITEMS or children + len(part) > MAX_FORKS or s in group):
+                        groups.append(({}, group, [], []))
+                        group, children = {}, 0
+                    group[s] = part
+                    children += len(part)
+            if group:
+                groups.append(({}, group, [], []))
+            rest = list(appends)
+            for i in range(0, len(rest), MAX_ITEMS):
+                groups.append(({s: appends[s] for s in rest[i:i + MAX_ITEMS]}, {}, [], []))
+            appends, forks, frees = {}, {}, []
+        for i in range(0, max(len(creates), 1), MAX_ITEMS):
+            groups.append((appends, forks, frees, creates[i:i + MAX_ITEMS]) if i == 0
+                          else ({}, {}, [], creates[i:i + MAX_ITEMS]))
+        return [g for g in groups if any(g)]
 
-    def _block_size(self, pool: str) -> int:
-        """A pool's block size (any pool's smallest for a create without one), cached."""
-        if pool not in self._block_sizes:
-            sizes = {p.pool_id: p.geometry.block_size for p in self.pools()}
-            sizes[""] = min(sizes.values(), default=1)
-            self._block_sizes = sizes
-        return self._block_sizes.get(pool) or self._block_sizes[""]
-
-    def _step_in_groups(self, appends: dict, forks: dict, frees: list, groups: list[list]) -> StepResult:
-        """A step whose creates one Step does not take: the first runs of creates in steps
-        of their own, the last with the rest of the step. Refused, the error's ``result``
-        holds every sequence made so far, and its ``partial`` a response whose ``created``
-        lines up with all the step's creates."""
-        made: list[Sequence] = []
+    def _split_step(self, groups: list[tuple]) -> StepResult:
+        """Sends the groups in order; refused, the error's ``result`` holds everything made
+        so far, and its ``partial`` a response whose ``created`` lines up with all the
+        step's creates."""
+        total = StepResult()
         states: list[pb.Sequence] = []
-        for i, group in enumerate(groups):
-            last = i == len(groups) - 1
+        for k, (appends, forks, frees, creates) in enumerate(groups):
             try:
-                got = self.step(appends if last else None, forks=forks if last else None,
-                                frees=frees if last else (), creates=group)
+                got = self.step(appends, forks=forks, frees=frees, creates=creates)
             except errors.KvsError as exc:
                 result = exc.result if isinstance(exc.result, StepResult) else StepResult()
-                result.created = made + list(result.created)
+                result.copies = total.copies + list(result.copies)
+                result.created = total.created + list(result.created)
+                for parent, kids in result.children.items():
+                    total.children.setdefault(parent, []).extend(kids)
+                result.children = total.children
                 exc.result = result
                 partial = pb.StepResponse()
                 if exc.partial is not None:
@@ -70,24 +87,14 @@ class StepBatches:
                 del partial.created[:]
                 partial.created.extend(states)
                 partial.created.extend(exc.partial.created if exc.partial is not None and exc.partial.created
-                                        else [pb.Sequence() for _ in group])
-                partial.created.extend(pb.Sequence() for g in groups[i + 1:] for _ in g)
+                                        else [pb.Sequence() for _ in creates])
+                partial.created.extend(pb.Sequence() for g in groups[k + 1:] for _ in g[3])
                 exc.partial = partial
                 raise
-            made += got.created
+            total.copies += got.copies
+            total.created += got.created
+            for parent, kids in got.children.items():
+                total.children.setdefault(parent, []).extend(kids)
+            total.rpc = total.rpc or got.rpc
             states += [pb.Sequence(sequence_id=s.id) for s in got.created]
-        got.created = made
-        return got
-
-    def _free_ahead(self, frees: list[Sequence]) -> list[Sequence]:
-        """Frees what one Step may not release (the allocator's max_release_per_call) in
-        calls of their own first; returns the frees left for the step."""
-        group: list[Sequence] = []
-        blocks = 0
-        for s in frees:
-            if group and blocks + len(s._table) > MAX_RELEASE:
-                self._step_remote({}, {}, group, [])
-                group, blocks = [], 0
-            group.append(s)
-            blocks += len(s._table)
-        return group
+        return total

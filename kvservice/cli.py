@@ -76,7 +76,10 @@ def _limits(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvservice limits: {exc}", file=sys.stderr)
         return 2
-    return limits_main(settings)
+    if args.long_tokens < 2:
+        print("kvservice limits: --long-tokens must be at least 2", file=sys.stderr)
+        return 2
+    return limits_main(settings, args.long_tokens)
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -116,8 +119,9 @@ def _audit(args: argparse.Namespace) -> int:
                   f"sequences, {s['num_leases']} leases")
             for h in holdings:
                 if h.pool_id == i.pool_id:
+                    staged = f", {h.num_staged_blocks} staged blocks (runs under way)" if h.num_staged_blocks else ""
                     print(f"  lease {h.lease_id}: {h.num_sequences} sequences, {h.num_reserved_blocks} reserved "
-                          f"blocks, journal applied up to entry {h.applied_entries}")
+                          f"blocks{staged}, journal applied up to entry {h.applied_entries}")
         if problems:
             print(f"AUDIT FAILED: {len(problems)} problem(s)")
             for p in problems:
@@ -246,8 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write a Redis ACL file (users.acl) and its users' URLs for a Redis at HOST:PORT")
     p.set_defaults(func=_certs)
 
-    p = sub.add_parser("limits", help="run the worst call each per-call limit allows against a private Redis; "
-                                      "print how long each script held Redis")
+    p = sub.add_parser("limits", help="run the worst call each per-call limit allows against a private Redis, and "
+                                      "operations on a long prompt in bounded calls; print how long each script "
+                                      "held Redis")
+    p.add_argument("--long-tokens", type=int, default=1 << 20,
+                   help="the long prompt's tokens (default 1048576: 65,536 blocks of 16)")
     Settings.add_arguments(p)
     p.set_defaults(func=_limits)
 
@@ -277,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-ms", type=float, default=0.0,
                    help="after each timed decode step, wait this long (untimed, the GIL released), as an engine "
                         "waits for its forward pass; default 0: steps back to back, the targets' trace")
+    p.add_argument("--long", action="store_true",
+                   help="measure long sequences instead: appends at ~1k and ~128k tokens (per token, both SDK "
+                        "modes), a create of a 1,048,576-token prompt and of the same prompt cached, its fork and "
+                        "free (keys append_us_per_token_1k, append_us_per_token_128k, create_1m_ms, "
+                        "create_cached_1m_ms)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
@@ -293,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="workers (pools) to start (default 2)")
     p.add_argument("--model", default="smollm2-135m",
                    help="model preset every worker serves (default smollm2-135m, SmolLM2-135M-Instruct, converted "
-                        "into the model cache on first use; tiny-llama, small-llama: random weights from --model-seed)")
+                        "into the model cache on first use; tiny-llama, small-llama, tiny-llama-long (a 128k position range): "
+                        "random weights from --model-seed)")
     p.add_argument("--model-seed", type=int, default=0, help="seed of a seeded preset's weights (default 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")

@@ -40,7 +40,7 @@ from kvservice.common.geometry import Geometry
 from kvservice.common.security import ClientCredentials
 from kvservice.journal import PoolJournal
 from kvservice.local import LocalSteps
-from kvservice.batches import MAX_RELEASE, StepBatches
+from kvservice.batches import StepBatches
 from kvservice.rpc import RESENT, fence_seconds, new_request_id, to_domain_error
 from kvservice.sequence import CopyPair, Sequence, StepResult
 from kvservice.v1 import allocator_pb2 as pb
@@ -97,7 +97,6 @@ class Client(StepBatches, LocalSteps):
         #: With ``local``: growth, copy-on-write, commits, forks and frees change local state
         #: at once and reach the allocator through the journal (``Sync``, in the background).
         self.local = local
-        self._block_sizes: dict[str, int] = {}     # pool -> block size (splitting large steps)
         self.flush_interval = flush_interval
         self.sync_count = 0         # Syncs sent by the flusher thread
         self.journal_error: errors.KvsError | None = None
@@ -176,14 +175,11 @@ class Client(StepBatches, LocalSteps):
         # (else: a local step's fast path takes each list as it is and copies the others)
         if frees or forks:
             _check_step(self, appends, forks, frees)
-        if len(creates) > 1:
-            groups = self._create_groups(creates)
-            if len(groups) > 1:
-                return self._step_in_groups(appends, forks, frees, groups)
+        groups = self._step_groups(appends, forks, frees, creates)
+        if len(groups) > 1:
+            return self._split_step(groups)
         if self.local:
             return self._step_local(appends, forks, frees, creates)
-        if len(frees) > 1 and sum(len(s._table) for s in frees) > MAX_RELEASE:
-            frees = self._free_ahead(frees)
         return self._step_remote(appends, forks, frees, creates)
 
     def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list,
@@ -259,9 +255,14 @@ class Client(StepBatches, LocalSteps):
             if exc.partial is None:
                 raise
             response = exc.partial
-            failed = {u.sequence_id.split("/")[0] for u in request.updates} | {c.pool_id for c in request.creates}
-            failed -= {d.sequence_id.split("/")[0] for d in response.updates if d.sequence_id}
-            failed -= {c.pool_id for c in response.created if c.sequence_id}
+            # A pool failed if any of its items has no result: another pool's refusal (its
+            # items all empty), or its own after a step in parts had applied its commits and
+            # frees (docs/allocator.md, "Big operations in bounded calls"): those are kept.
+            failed = {u.sequence_id.split("/")[0] for u, d in zip(request.updates, response.updates)
+                      if not d.sequence_id}
+            failed |= {u.sequence_id.split("/")[0] for u in request.updates[len(response.updates):]}
+            failed |= {c.pool_id for c, made in zip(request.creates, response.created) if not made.sequence_id}
+            failed |= set(response.failed_pools)
             self._apply(response, order, appends, forks, frees, creates, failed, result, local)
             exc.result = result  # the applied pools' copies, children and creates
             raise
@@ -282,6 +283,8 @@ class Client(StepBatches, LocalSteps):
                 s.freed = True
                 continue
             s._apply_commits(d.num_committed_blocks, d.last_hash)
+            if s.pool in failed:
+                continue          # (its commits were applied, the rest refused)
             kids = []
             for child_state, tokens in zip(d.children, forks.get(s, ())):
                 bs = s.block_size

@@ -48,6 +48,9 @@ class PoolJournal:
     #: its parent's blocks): the allocator's max_forks_per_call and max_fork_refs_per_call.
     MAX_FORKS = 128
     MAX_FORK_REFS = 4096
+    #: Blocks one GROW entry adds (and commits) at most: a longer append is logged as
+    #: several entries, each within one sync script call's work.
+    MAX_ENTRY_BLOCKS = 512
     LAGS = 100_000
     #: After a refill that got nothing (the pool is full), or a reserve given back for a
     #: create, no refill for this long (a step that needs blocks still asks at once).

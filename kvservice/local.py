@@ -80,7 +80,10 @@ class LocalSteps:
             except errors.ResourceExhausted as exc:
                 with self._lock:
                     pj = self._journals.get(exc.pool_id)
-                    if pj is not None and pj.reserve:
+                    if pj is None or (not pj.pending and exc.needed > exc.available + len(pj.reserve)
+                                                   + len(pj.returning)):
+                        raise     # (what the lease holds back would not be enough: nothing to retry)
+                    if pj.reserve:
                         pj.returning.extend(pj.reserve)
                         pj.reserve = []
                         pj.starved_until = time.monotonic() + pj.STARVED_BACKOFF   # (no refill at once)
@@ -269,6 +272,12 @@ class LocalSteps:
     def _append_local(self, s: "Sequence", tokens: list[int], result: StepResult) -> None:
         pj = self._journals[s.pool]
         bs = s.block_size
+        piece = pj.MAX_ENTRY_BLOCKS * bs
+        if len(tokens) > piece:
+            # (a long append: GROW entries of a bounded size, each one script call's work at most)
+            for i in range(0, len(tokens), piece):
+                self._append_local(s, tokens[i:i + piece], result)
+            return
         t0 = s._num_tokens
         table = s._table
         if t0 % bs and pj.refs.get(table[-1], 0) > 1:     # copy-on-write of the shared partial block

@@ -49,7 +49,7 @@ def test_the_audit_reports_what_each_lease_holds(live, redis_url):
     report = json.loads(run_audit_cli(redis_url, "--json").stdout)
     assert report["ok"] and report["pools"][0]["num_reserved_blocks"] == 2
     assert report["leases"] == [{"pool_id": "a1", "lease_id": c.lease_id, "num_sequences": 3,
-                                 "num_reserved_blocks": 2, "applied_entries": 0}]
+                                 "num_reserved_blocks": 2, "applied_entries": 0, "num_staged_blocks": 0}]
     rpc = c.audit("a1")
     assert rpc.ok and [(h.lease_id, h.num_sequences, h.num_reserved_blocks) for h in rpc.leases] == [
         (c.lease_id, 3, 2)]
@@ -72,7 +72,7 @@ CORRUPTIONS = {
     "counter drift": (lambda r, x, y: r.hincrby(_k("stats"), "sequences_created", 1), "live sequences"),
     "table too short": (lambda r, x, y: r.hset(_k("tabs"), str(y.number),
                                                 "".join(f"{b:06x}" for b in y.block_table[:2])),
-                        "2 blocks for 11 tokens"),
+                        "its record says 3 blocks, its table holds 2"),
     "reserved and free": (lambda r, x, y: r.hset(_k("reserve"), "31", x.client.lease_id),
                           "blocks both free and reserved"),
     "reserved and referenced": (lambda r, x, y: r.hset(_k("reserve"), str(x.block_table[0]), x.client.lease_id),

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.cluster_too
 BS = 4
 NUM_BLOCKS = 64
 #: The test settings, with request ids remembered for the whole run (the baseline's are reused).
-S = TEST_SETTINGS.replace(request_ttl=3600.0)
+S = TEST_SETTINGS.replace(request_ttl=3600.0, max_sequence_tokens=4096)
 IA, NF, FP, PD, RE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                       grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
                       grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -409,8 +409,8 @@ PROMPT_CASES: list[tuple[str, dict[str, Any], grpc.StatusCode, str, int | None]]
     ("token-id-negative", dict(token_ids=[1, -1, 2]), IA, "prompt: token id -1 is outside 0..2147483647", None),
     ("token-id-2**31", dict(token_ids=[1, 2**31]), IA, "prompt: token id 2147483648 is outside 0..2147483647", None),
     ("token-id-int64-max", dict(token_ids=[2**63 - 1]), IA, f"token id {2**63 - 1} is outside", None),
-    ("prompt-too-long", dict(token_ids=[1] * (S.max_prompt_tokens + 1)), IA,
-     f"prompt of {S.max_prompt_tokens + 1} tokens, at most {S.max_prompt_tokens}", None),
+    ("prompt-too-long", dict(token_ids=[1] * (S.max_sequence_tokens + 1)), IA,
+     f"prompt of {S.max_sequence_tokens + 1} tokens, a sequence holds at most {S.max_sequence_tokens}", None),
     ("unknown-pool", dict(token_ids=[1, 2], pool_id="nope"), NF, "pool nope is not registered", None),
     ("malformed-pool", dict(token_ids=[1, 2], pool_id="bad pool"), IA, "malformed pool_id 'bad pool'", None),
     ("extra-key-too-long", dict(token_ids=[1, 2], extra_key=b"k" * 1025), IA, "extra_key is longer than 1024", None),
@@ -460,12 +460,13 @@ row("Step", "grow-to-2**31", lambda b: pb.StepRequest(lease_id=b.A, updates=[upd
 row("Step", "grow-to-below-num-tokens", lambda b: pb.StepRequest(lease_id=b.A, updates=[upd(b.priv, grow_to=5)]),
     IA, "grow_to 5 is below num_tokens 9")
 row("Step", "grow-beyond-sequence-blocks", lambda b: pb.StepRequest(lease_id=b.A, updates=[
-    upd(b.priv, grow_to=2**31 - 1)]), IA, f"a sequence holds at most {S.max_sequence_blocks}")
+    upd(b.priv, grow_to=2**31 - 1)]), IA, f"a sequence holds at most {S.max_sequence_tokens}")
 row("Step", "fork-grow-beyond-sequence-blocks", lambda b: pb.StepRequest(lease_id=b.A, updates=[
-    upd(b.priv, fork_grow_to=[2**31 - 1] * 3)]), IA, f"a sequence holds at most {S.max_sequence_blocks}")
+    upd(b.priv, fork_grow_to=[2**31 - 1] * 3)]), IA, f"a sequence holds at most {S.max_sequence_tokens}")
+# (more than one call's work: carried out in parts, and refused as a whole before any part)
 row("Step", "grow-beyond-blocks-per-call", lambda b: pb.StepRequest(lease_id=b.A, updates=[
-    upd(b.priv, grow_to=S.max_sequence_blocks * BS), upd(b.hit, grow_to=S.max_sequence_blocks * BS)]), IA,
-    f"at most {S.max_blocks_per_call} per call")
+    upd(b.priv, grow_to=S.max_blocks_per_call * BS), upd(b.hit, grow_to=S.max_blocks_per_call * BS)]), RE,
+    f"pool p0: needed {2 * S.max_blocks_per_call - 6} blocks", 2 * S.max_blocks_per_call - 6)
 row("Step", "fork-grow-to-negative", lambda b: pb.StepRequest(lease_id=b.A, updates=[
     upd(b.priv, fork_grow_to=[10, -1])]), IA, "fork_grow_to -1 is out of range")
 row("Step", "fork-grow-to-below-num-tokens", lambda b: pb.StepRequest(lease_id=b.A, updates=[

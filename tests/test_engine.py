@@ -225,3 +225,26 @@ def test_requests_whose_sequences_are_lost_in_a_rollback_are_recomputed_to_the_s
     assert reference.preemptions == 0
     assert report.failed == 0 and report.preemptions >= 1      # the lost ones, recomputed
     assert [c.outputs for c in report.completions] == [c.outputs for c in reference.completions]
+
+
+def test_a_request_past_8192_tokens_runs_on_the_long_preset_and_matches_hf_logits():
+    """A prompt of 9,000 tokens (563 blocks of 16: a create larger than one allocator call,
+    staged in bounded calls) plus 8 new tokens, on ``tiny-llama-long`` (131,072 positions):
+    the engine's logits at every step are Hugging Face's forward pass over the same tokens,
+    and its greedy tokens their argmax."""
+    rng = random.Random(9)
+    prompt = _prompt(rng, 9000)
+    k = 8
+    with Stack(1, model="tiny-llama-long", model_seed=SEED, block_size=BS, num_blocks=700) as s:
+        with Engine(s.target, credentials=s.credentials(), return_logits=True) as engine:
+            report = engine.run([Request(prompt, max_new_tokens=k, request_id="long")])
+        _check_clean(s)
+    (tokens,) = report.completions[0].outputs
+    assert len(prompt) + len(tokens) > 8192 and len(tokens) == k
+    got = torch.tensor([list(row) for row in report.completions[0].logits[0]])
+    m = build_model("tiny-llama-long", SEED)
+    with torch.no_grad():
+        ref = m(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=LOGITS_ATOL, rtol=0), (got - ref).abs().max()
+    assert tokens == ref.argmax(-1).tolist()

@@ -13,14 +13,21 @@ from kvservice.tools.limits import TARGET_MS, measure, table
 
 
 def test_every_script_s_worst_call_is_timed_and_grows_with_its_limit():
-    small = Settings(max_blocks_per_call=64, max_prompt_tokens=1024, max_items_per_call=16, max_forks_per_sequence=4,
-                     max_forks_per_call=16, max_fork_refs_per_call=64, max_sequence_blocks=64, max_release_per_call=64,
+    small = Settings(max_blocks_per_call=64, max_items_per_call=16, max_forks_per_sequence=4,
+                     max_forks_per_call=16, max_fork_refs_per_call=64, max_release_per_call=64,
                      max_journal_entries=64)
-    large = small.replace(max_blocks_per_call=2048, max_prompt_tokens=32768, max_items_per_call=256,
+    large = small.replace(max_blocks_per_call=2048, max_items_per_call=256,
                           max_forks_per_sequence=64, max_forks_per_call=512, max_fork_refs_per_call=16384,
-                          max_sequence_blocks=2048, max_release_per_call=4096, max_journal_entries=512)
-    few, many = (asyncio.run(measure(s, progress=lambda m: None)) for s in (small, large))
-    assert [r.script for r in few] == ["step"] * 5 + ["sync"] * 4 + ["resync", "probe", "reap", "audit", "audit"]
+                          max_release_per_call=4096, max_journal_entries=512)
+    few, many = (asyncio.run(measure(s, progress=lambda m: None, long_tokens=4096 * 16)) for s in (small, large))
+    long = [r for r in few if r.call.startswith(("remote:", "local:"))]
+    assert [r.script for r in few if r not in long] == ["step"] * 5 + ["sync"] * 4 + [
+        "resync", "probe", "reap", "audit", "audit"]
+    # The long prompt (4,096 blocks): created, created again, forked, appended, freed in both
+    # modes, in parts of max_blocks_per_call (64) blocks: a create's are 4,096 / 64 parts of
+    # blocks and as many of hashes.
+    assert len(long) == 10 and all(r.ms > 0 for r in long)
+    assert "stage" in long[0].script and int(long[0].call.split("(")[-1].split()[0]) >= 2 * 4096 // 64
     for r in few + many:
         assert r.ms > 0, f"{r.script}: {r.call} was not seen in the SLOWLOG"
     # A larger limit allows a longer call: the fork row (16 children x 4 blocks vs 512 x 32) most of all.

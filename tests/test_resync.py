@@ -313,3 +313,60 @@ def test_while_a_lease_resyncs_nothing_else_of_it_runs_in_the_pool(served, redis
         b.close(), c.close()
     assert audit(redis_url) == []
     assert stats(redis_url, "p0")["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("spoiled", [False, True], ids=["kept", "last-block-taken"])
+def test_a_resync_claims_a_long_sequence_in_pieces(redis_url, spoiled):
+    """A sequence of 3,000 blocks (more than a resync part's ~1,024 blocks of work) is
+    claimed in pieces into a staged record: kept when every block is provably the lease's;
+    lost when a block of its third piece is in another lease's table (handed out again
+    since the lost writes), and then what the earlier pieces took goes back. Either way
+    the audit is clean."""
+    rng = random.Random(13)
+    with ServerThread(redis_url, SETTINGS) as server:
+        with Client(server.target, tenant="setup") as admin:
+            admin.register_pool("long", num_blocks=8000, block_size=BS)
+        # (a flusher that wakes only for a refill: the resync comes with the explicit flush)
+        a = Client(server.target, tenant="t1", local=True, flush_interval=3600)
+        other = None
+        try:
+            short = a.create(_tokens(rng, 3 * BS + 1), pool="long")
+            big = a.create(_tokens(rng, 3000 * BS - 2), pool="long")      # a partial last block
+            a.flush()
+            r = redis.Redis.from_url(redis_url)
+            dumped = dump(r)
+            big.append([1])                 # (acknowledged entries that Redis will lose)
+            short.append(_tokens(rng, BS))
+            a.flush()
+            restore(r, dumped)
+            if spoiled:
+                # Its last block (partial, in the third piece) is in another lease's table
+                # now (made so by hand: what the pool would do after losing the writes).
+                victim = big.block_table[-1]
+                other = Client(server.target, tenant="t2", local=True)
+                grab = other.create(_tokens(rng, 2 * BS + 1), pool="long")
+                other.flush()
+                k = {name: f"kvs:{{long}}:{name}" for name in ("ref", "free", "tabs")}
+                page = r.hget(k["tabs"], str(grab.number)).decode()
+                old = int(page[-6:], 16)
+                r.hset(k["tabs"], str(grab.number), page[:-6] + f"{victim:06x}")
+                r.hincrby(k["ref"], str(victim), 1)
+                r.hdel(k["ref"], str(old))
+                r.rpush(k["free"], old)
+                grab._table[-1] = victim
+                refs = other._journals["long"].refs
+                refs.pop(old, None)
+                refs[victim] = 1
+            a.flush()
+            assert a.resync_count == 1
+            lost = {s.id for s in a.lost_sequences()}
+            assert lost == ({big.id} if spoiled else set())
+            if not spoiled:
+                assert list(a.get(big.id).block_table) == big.block_table
+            assert audit(redis_url) == []
+            assert stats(redis_url, "long")["num_sequences"] == 2       # (short and big, or short and grab)
+        finally:
+            a.close()
+            if other is not None:
+                other.close()
+        assert audit(redis_url) == []

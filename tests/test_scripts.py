@@ -83,7 +83,7 @@ def test_a_runtime_error_in_a_script_names_the_file_and_line(any_redis_url):
         r.hset(k["meta"], mapping={"epoch": 1, "num_blocks": 4, "block_size": 4})
         r.zadd(k["leases"], {"L1": 0})
         r.zadd(k["lseq"], {"L1:1": 0})
-        r.hset(k["seqs"], "1", "L1 3 0 0 " + "ab" * 16)
+        r.hset(k["seqs"], "1", "L1 3 0 0 " + "ab" * 16 + " 1")
         r.hset(k["tabs"], "1", "zzzzzz")
         script = r.register_script(lua.SCRIPTS["reap"].source)
         with pytest.raises(redis.ResponseError) as info:

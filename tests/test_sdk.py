@@ -146,27 +146,46 @@ def test_the_suites_allocator_takes_tls_and_a_token_only(server):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_a_step_with_more_creates_than_one_call_takes_makes_them_in_several(client):
-    """The allocator takes at most 512 blocks of creates per Step (max_blocks_per_call): the
-    SDK makes a larger step's first creates in calls of their own, in order."""
-    from kvservice import batches as sdk
+def test_a_step_whose_creates_hold_more_blocks_than_one_call_is_one_step(client):
+    """The allocator takes 512 blocks of creates per script call (max_blocks_per_call): a
+    step whose creates hold more is one Step all the same, staged over several calls in
+    the pool and all-or-nothing there."""
     client.register_pool("big", num_blocks=4096, block_size=BS)
     prompts = [list(range(i * 1000, i * 1000 + 100 * BS)) for i in range(12)]     # 100 blocks each
     before = client.rpc_count
     made = client.step(creates=[(p, "big", b"") for p in prompts]).created
+    assert client.rpc_count - before == 1
     assert [s.num_tokens for s in made] == [100 * BS] * 12
     assert [client.get(s.id).num_tokens for s in made] == [100 * BS] * 12
-    assert client.rpc_count - before >= -(-12 * 100 // sdk.MAX_CREATE_BLOCKS) + 12   # 3 Steps, then the gets
-    # A run refused for want of blocks: the runs made before it are the caller's, in the
-    # error's result, and its partial response lines up with every create of the step.
+    # Refused for want of blocks: nothing of the step is made.
     client.register_pool("small", num_blocks=700, block_size=BS)
     with pytest.raises(errors.ResourceExhausted) as info:
-        client.step(creates=[(p, "small", b"") for p in prompts[:8]])   # 500 blocks made, then 300 of 200
-    got = info.value.result.created
-    assert [s.num_tokens for s in got] == [100 * BS] * 5 and all(s.pool == "small" for s in got)
-    assert len(info.value.partial.created) == 8
-    assert [bool(c.sequence_id) for c in info.value.partial.created] == [True] * 5 + [False] * 3
-    client.step(frees=made + got)
+        client.step(creates=[(p, "small", b"") for p in prompts[:8]])   # 800 blocks of 700
+    assert info.value.needed == 100 and info.value.result is None
+    assert client.pool_stats("small").num_used_blocks == 0
+    assert client.audit("small").ok
+    client.step(frees=made)
+
+
+def test_a_step_with_more_items_than_one_call_takes_goes_in_several(client):
+    """A Step carries 128 items at most (max_items_per_call): the SDK sends a larger step
+    in several, frees first, then forks, appends and creates; a refused one leaves the
+    ones before it applied, and the error's result holds what they made."""
+    from kvservice import batches as sdk
+    client.register_pool("many", num_blocks=4096, block_size=BS)
+    seqs = client.step(creates=[[i, i + 1] for i in range(300)]).created
+    assert len(seqs) == 300 and len({s.id for s in seqs}) == 300
+    before = client.rpc_count
+    res = client.step({s: [7] * BS for s in seqs[:200]}, forks={s: [[5, 6, 7]] for s in seqs[200:250]},
+                      frees=seqs[250:])
+    # (frees: 50 -> 1 call; forks of 50 -> 1; 200 appends -> 2)
+    assert client.rpc_count - before == 1 + 1 + -(-200 // sdk.MAX_ITEMS)
+    assert all(s.num_tokens == 2 + BS for s in seqs[:200]) and all(s.freed for s in seqs[250:])
+    kids = [k for s in seqs[200:250] for k in res.children[s.id]]
+    assert len(kids) == 50 and all(k.num_tokens == 5 for k in kids)
+    assert client.audit("many").ok
+    client.step(frees=seqs[:250] + kids)
+    assert client.pool_stats("many").num_sequences == 0
 
 
 def test_an_unexpected_keep_alive_error_is_reported_not_swallowed(redis_url, caplog):

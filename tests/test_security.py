@@ -328,22 +328,34 @@ def test_malformed_cache_groups_are_refused(groups, message):
         Settings(prefix_cache_groups=groups)
 
 
-def test_forks_are_bounded_per_call_and_a_refused_step_changes_nothing(redis_url):
+def test_forks_beyond_one_call_are_made_in_bounded_calls_and_a_raw_step_is_bounded(redis_url):
     """One step's forks used to be bounded only per parent (256 children): 1,024 parents of
-    1,024 tokens forking 256 each held Redis 16 s. Now at most max_forks_per_call children
-    and max_fork_refs_per_call block references (children x their parent's blocks)."""
+    1,024 tokens forking 256 each held Redis 16 s. Now a Step request carries at most
+    max_forks_per_call children (a larger raw request: INVALID_ARGUMENT, nothing changed;
+    the SDK sends a larger step in several), and forks that add more block references than
+    one script call takes (max_fork_refs_per_call) are staged in parts of bounded work."""
+    import grpc
+
+    from kvservice.v1 import allocator_pb2 as pb
+
     s = TEST_SETTINGS
     with ServerThread(redis_url, s, reap=False) as server, Client(server.target, keepalive=False) as c:
         c.register_pool("forks", num_blocks=1 << 14, block_size=4)
         parents = [c.create(list(range(i * 400, (i + 1) * 400)), pool="forks") for i in range(3)]   # 100 blocks
         before = keyspace(redis_url)
-        with pytest.raises(errors.InvalidArgument, match=f"at most {s.max_forks_per_call} per call"):
-            c.step(forks={p: [[1]] * 100 for p in parents})                  # 300 children
-        refs = s.max_fork_refs_per_call // 100 + 1                           # one child too many
-        with pytest.raises(errors.InvalidArgument, match=f"more than {s.max_fork_refs_per_call} block references"):
-            c.step(forks={parents[0]: [[1]] * refs})
+        raw = pb.StepRequest(lease_id=c.lease_id, updates=[pb.SeqUpdate(sequence_id=p.id, num_tokens=-1,
+                                                                        fork_grow_to=[401] * 100) for p in parents])
+        with pytest.raises(grpc.RpcError) as info:
+            c.stub.Step(raw, timeout=30)                                     # 300 children in one request
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"at most {s.max_forks_per_call} per call" in info.value.details()
         assert keyspace(redis_url) == before
-        assert len(c.step(forks={parents[0]: [[1]] * (refs - 1)}).children[parents[0].id]) == refs - 1
+        kids = c.step(forks={p: [[1]] * 100 for p in parents}).children      # (the SDK: several Steps)
+        assert [len(kids[p.id]) for p in parents] == [100] * 3
+        refs = s.max_fork_refs_per_call // 100 + 1                           # past one call's references
+        more = c.step(forks={parents[0]: [[1]] * refs}).children[parents[0].id]
+        assert len(more) == refs and all(k.block_table[:100] == parents[0].block_table for k in more)
+        assert c.audit().ok
 
 
 def test_local_forks_beyond_one_call_s_bound_go_in_several_syncs(redis_url):

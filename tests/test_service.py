@@ -49,6 +49,9 @@ def test_health_and_reflection_are_served(server):
         for name in ("", "kvservice.v1.Allocator"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        listed = health.List(health_pb2.HealthListRequest(), timeout=5)
+        assert {name: r.status for name, r in listed.statuses.items()} == {
+            "": health_pb2.HealthCheckResponse.SERVING, "kvservice.v1.Allocator": health_pb2.HealthCheckResponse.SERVING}
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         replies = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                                  timeout=5))

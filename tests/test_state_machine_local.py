@@ -142,6 +142,8 @@ class LocalMachine(RuleBasedStateMachine):
     examples = 0
     steps = 0
     coverage: Counter = Counter()
+    #: The clients' mode (``BoundsMachine``: also the SDK's remote mode).
+    LOCAL = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -165,7 +167,7 @@ class LocalMachine(RuleBasedStateMachine):
 
     def _open(self, key: str, tenant: str, *, ttl: float = TTL, flush_interval: float = 0.005,
               timeout: float = 10.0) -> Client:
-        c = Client(self.server.target, tenant=tenant, lease_ttl=ttl, local=True, flush_interval=flush_interval,
+        c = Client(self.server.target, tenant=tenant, lease_ttl=ttl, local=self.LOCAL, flush_interval=flush_interval,
                    retry_budget=RETRY_BUDGET, timeout=timeout)
         self.clients[key] = c
         self.tenants[key] = tenant
@@ -275,8 +277,10 @@ class LocalMachine(RuleBasedStateMachine):
         copies = m.step(appends, forks, frees, {sid: [k.id for k in kids] for sid, kids in children.items()})
         phys_to_block = self.bind()
         if result is not None:
-            assert [(p.pool, p.src, p.dst) for p in result.copies] == [
-                (self.pool, self.bound[a], self.bound[b]) for a, b in copies]
+            got = [(p.pool, p.src, p.dst) for p in result.copies]
+            want = [(self.pool, self.bound[a], self.bound[b]) for a, b in copies]
+            # (remote mode: the allocator lists a step's copies children first, then growth)
+            assert got == want if self.LOCAL else sorted(got) == sorted(want), (got, want)
         for k in (k for kids in children.values() for k in kids):
             assert k.num_cached_tokens == m.seqs[k.id].cached
         for (family, tokens), seq in zip(creates, created):
@@ -317,7 +321,16 @@ class LocalMachine(RuleBasedStateMachine):
         stats = main.pool_stats(self.pool)
         assert stats.num_used_blocks + stats.num_free_blocks + stats.num_evictable_blocks + \
             stats.num_reserved_blocks == NUM_BLOCKS, stats
-        assert (stats.num_used_blocks, stats.num_sequences) == (used, len(m.seqs)), stats
+        def missing() -> list:
+            out = []
+            for sid in m.seqs:
+                try:
+                    main.get(sid)
+                except errors.KvsError as exc:
+                    h = self.handles[sid]
+                    out.append((sid, type(exc).__name__, h.num_tokens, h.block_table, m.seqs[sid].owner))
+            return out
+        assert (stats.num_used_blocks, stats.num_sequences) == (used, len(m.seqs)), missing()
         assert stats.num_reserved_blocks == sum(reserved.values()), (stats.num_reserved_blocks, reserved)
         # Redis never loses a write here: no batch ever starts after a gap, no client resyncs.
         assert (stats.journal_gaps, stats.journal_resyncs) == (0, 0), stats
@@ -333,9 +346,18 @@ class LocalMachine(RuleBasedStateMachine):
         for sid, s in m.seqs.items():
             h = self.handles[sid]
             view = main.get(sid)
-            assert (list(view.block_table), view.num_tokens) == (h.block_table, h.num_tokens), sid
-            assert view.num_committed_blocks == len(s.tokens) // BS, sid
-            assert view.last_hash == last_hash(s.tenant, s.tokens), sid
+            assert list(view.block_table) == h.block_table, sid
+            if self.LOCAL:
+                assert view.num_tokens == h.num_tokens, sid
+                assert view.num_committed_blocks == len(s.tokens) // BS, sid
+                assert view.last_hash == last_hash(s.tenant, s.tokens), sid
+            else:
+                # (remote mode: appends inside a private block, and the commits of the blocks
+                # they filled, reach the allocator with the sequence's next Step)
+                assert (len(h.block_table) - 1) * BS < view.num_tokens <= h.num_tokens, sid
+                c = view.num_committed_blocks
+                assert c <= view.num_tokens // BS, sid
+                assert view.last_hash == last_hash(s.tenant, s.tokens[:c * BS]), sid
             assert view.num_cached_tokens == h.num_cached_tokens == s.cached, sid
             assert view.lease_id == self.clients[s.owner].lease_id, sid
         event("agreement checked")
@@ -435,8 +457,9 @@ class LocalMachine(RuleBasedStateMachine):
     @checked
     def background_sync(self, owner):
         """One Sync at a random point, as the flusher sends them (entries, refill, return)."""
-        self.clients[owner]._sync_once()
-        event("explicit background sync")
+        if self.LOCAL:
+            self.clients[owner]._sync_once()
+            event("explicit background sync")
 
     @rule(owner=st.sampled_from(sorted(CLIENTS)), lost=st.sampled_from([1, 2, ATTEMPTS]), create=st.booleans(),
           data=st.data())
@@ -453,6 +476,8 @@ class LocalMachine(RuleBasedStateMachine):
         c = self.clients[owner]
         prompt = self.draw_prompt(data)
         method = "Step" if create and self.room() else "Sync"
+        if method == "Sync" and not self.LOCAL:
+            return             # (no Sync in remote mode)
         self.faults.drop(method, c.lease_id, lost)
         try:
             if method == "Step":
@@ -572,3 +597,35 @@ def test_local_mode_state_machine(redis_url):
     print(f"\nlocal state machine: {LocalMachine.examples} examples, {LocalMachine.steps} steps in "
           f"{time.monotonic() - started:.1f} s; "
           f"coverage: {dict(sorted(LocalMachine.coverage.items()))}")
+
+
+# ---------------------------------------------------------------------------- across the bounds
+
+#: Per-call bounds of 2 blocks: the machine's prompts (up to 5 blocks), growth (up to 3),
+#: forks and frees of sequences of up to ~8 blocks are several times each bound, so creates
+#: are staged, growth is staged and grafted (remote mode), forks and frees go in parts
+#: (a journal's, and a Step's), in bounded calls.
+BOUNDS = SETTINGS.replace(max_blocks_per_call=2, max_release_per_call=2, max_fork_refs_per_call=2)
+
+
+class RemoteMachine(LocalMachine):
+    """The same rules and checks with the SDK's remote mode (every ownership change a Step)."""
+
+    LOCAL = False
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("machine", [LocalMachine, RemoteMachine], ids=["local", "remote"])
+def test_state_machine_across_the_per_call_bounds(redis_url, machine):
+    with FaultyServer(redis_url, BOUNDS) as server, redis.Redis.from_url(redis_url) as r:
+        machine.redis_url = redis_url
+        machine.server = server
+        machine.redis = r
+        LocalMachine.coverage = Counter()
+        started = time.monotonic()
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=25, stateful_step_count=30, deadline=None, report_multiple_bugs=False,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+    print(f"\n{machine.__name__} across the bounds: {machine.examples} examples in "
+          f"{time.monotonic() - started:.1f} s; coverage: {dict(sorted(LocalMachine.coverage.items()))}")
+

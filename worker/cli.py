@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m worker",
         description="Serve one pool of paged KV memory (CuPy kernels on a GPU, torch on a CPU): sizes the pool "
                     "from --kv-memory, registers it with --allocator (retrying until it is up) and heartbeats. "
-                    "With --model (a preset: tiny-llama, small-llama with weights drawn from --model-seed; "
+                    "With --model (a preset: tiny-llama, small-llama, tiny-llama-long (a 128k position range) with weights drawn from --model-seed; "
                     "smollm2-135m, SmolLM2-135M-Instruct converted once from its GGUF into $KVSERVICE_MODEL_CACHE) it also "
                     "runs the model (the Forward RPC), and the pool's layers, KV heads, head dim and dtype are "
                     "the model's (--num-layers, --num-kv-heads, --head-dim, --dtype are then ignored).")

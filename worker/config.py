@@ -13,7 +13,7 @@ from kvservice.common.settings import (EnvSettings, check_block_size, check_in_r
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: The presets of worker/model.py and worker/weights.py (kept here so that checking flags
 #: needs no torch).
-MODEL_NAMES = ("tiny-llama", "small-llama", "smollm2-135m")
+MODEL_NAMES = ("tiny-llama", "small-llama", "tiny-llama-long", "smollm2-135m")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -37,6 +37,11 @@ MODEL_PRESETS: dict[str, LlamaConfig] = {
                               num_attention_heads=4, num_key_value_heads=2, head_dim=64, **_COMMON),
     "small-llama": LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                                num_attention_heads=8, num_key_value_heads=2, head_dim=64, **_COMMON),
+    # tiny-llama's weights (the same seed draws the same ones) with a position range of
+    # 128k tokens: long contexts on a CPU.
+    "tiny-llama-long": LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   **{**_COMMON, "max_position_embeddings": 1 << 17}),
 }
 MODEL_DTYPE = torch.float32
 SEED_MULTIPLIER = 1_000_003

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
-from grpc_health.v1 import health
 
 from kernels.backend import check_cuda_geometry, cuda_available
 from kvservice.common import grpc as common_grpc
@@ -123,7 +122,7 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
                         runner: ModelRunner | None = None, metrics: WorkerMetrics | None = None,
                         tokens: TokenFile | None = None, tls: ServerTls | None = None,
                         fence: LeaseFence | None = None
-                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+                        ) -> tuple[grpc.aio.Server, int, common_grpc.HealthServicer]:
     """A not-yet-started server with the Worker, health and reflection services
     (``runner``: the model ``Forward`` serves; None: K/V only; ``metrics``: RPCs are timed).
     With ``tokens``, or ``tls`` with a client CA, every Worker call is authenticated and
@@ -149,7 +148,7 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
                               credentials=tls.credentials() if tls else None)
 
 
-async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+async def set_serving(health_servicer: common_grpc.HealthServicer, serving: bool) -> None:
     """Marks the Worker service (and the server) SERVING or NOT_SERVING."""
     await common_grpc.set_serving(health_servicer, serving, [SERVICE_NAME])
 

@@ -1,6 +1,9 @@
 """The allocator's invariants (DESIGN §3), checked on a consistent snapshot of one pool.
 
 - every block is in exactly one of {free, evictable, referenced, reserved by one lease};
+  a referenced block held only by staged records (runs under way, ``runs.py``) is
+  *staged*, the fifth state (reported per lease), each staged record has its run and the
+  pool's admitted blocks are its runs' sum;
 - ref(b) equals the number of block tables that hold b;
 - the hash -> block and block -> hash maps agree, and only cached blocks have hashes
   (evictable blocks always do, free blocks never);
@@ -101,8 +104,14 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
         table = rec["block_table"]
         holders.update(table)
         t, c = rec["num_tokens"], rec["num_committed_blocks"]
-        if len(table) != math.ceil(t / bs):
+        if len(table) != rec["num_blocks"]:
+            bad(f"sequence {n}: its record says {rec['num_blocks']} blocks, its table holds {len(table)}")
+        if rec["state"] not in ("", "s", "f"):
+            bad(f"sequence {n}: unknown state {rec['state']!r}")
+        elif not rec["state"] and len(table) != math.ceil(t / bs):
             bad(f"sequence {n}: {len(table)} blocks for {t} tokens (block size {bs})")
+        elif rec["state"] and len(table) > math.ceil(t / bs):
+            bad(f"sequence {n} ({_STATES[rec['state']]}): {len(table)} blocks for {t} tokens (block size {bs})")
         if not 0 <= c <= min(len(table), t // bs):
             bad(f"sequence {n}: {c} committed blocks but only {t // bs} full")
         if len(set(table)) != len(table):
@@ -148,10 +157,12 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             bad(f"sequence {n} hangs off lease {rec['lease_id']}, unknown to the pool")
 
     _audit_holdings(snap, counted, bad)
+    _audit_runs(snap, bad)
     st = snap.get("stats", {})
     live = st.get("sequences_created", 0) - st.get("sequences_freed", 0)
-    if live != len(snap["seqs"]):
-        bad(f"counters say {live} live sequences (created - freed) but {len(snap['seqs'])} exist")
+    num_live = sum(1 for rec in snap["seqs"].values() if not rec["state"])
+    if live != num_live:
+        bad(f"counters say {live} live sequences (created - freed) but {num_live} exist")
     if counts is not None:
         expect = {"num_free_blocks": len(free) + num_blocks - fresh, "num_evictable_blocks": len(evictable),
                   "num_used_blocks": len(referenced), "num_sequences": len(snap["seqs"]),
@@ -162,12 +173,47 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
     return problems
 
 
+_STATES = {"s": "staged", "f": "being freed"}
+
+
+def staged_blocks(snap: dict[str, Any]) -> set[int]:
+    """The blocks held only by staged records: taken by a run (a create, a fork or a resync
+    claim larger than one call, ``scripts/stage.lua``) that has not made its sequence yet,
+    the fifth state of a block beside free, evictable, referenced and reserved."""
+    live: set[int] = set()
+    staged: set[int] = set()
+    for rec in snap["seqs"].values():
+        (staged if rec["state"] == "s" else live).update(rec["block_table"])
+    return staged - live
+
+
+def _audit_runs(snap: dict[str, Any], bad: Any) -> None:
+    """Runs (``scripts/stage.lua``): each names a staged or freeing record of its lease, and
+    the pool's admitted blocks are the sum of what the runs were admitted and have not
+    taken yet."""
+    runs = snap.get("runs", {})
+    admitted = 0
+    for n, (lease, left) in sorted(runs.items()):
+        rec = snap["seqs"].get(n)
+        if rec is None or not rec["state"]:
+            bad(f"run of sequence {n} has no staged record")
+        elif rec["lease_id"] != lease:
+            bad(f"run of sequence {n} belongs to lease {lease}, its record to {rec['lease_id']}")
+        admitted += left
+    if admitted != snap["state"].get("admitted", 0):
+        bad(f"the pool counts {snap['state'].get('admitted', 0)} admitted blocks, its runs {admitted}")
+    for n, rec in sorted(snap["seqs"].items()):
+        if rec["state"] == "s" and n not in runs:
+            bad(f"staged sequence {n} has no run")
+
+
 def _audit_holdings(snap: dict[str, Any], reserved: Counter, bad: Any) -> None:
     refs: Counter[str] = Counter()
     seqs: Counter[str] = Counter()
     for rec in snap["seqs"].values():
         refs[rec["lease_id"]] += len(rec["block_table"])
-        seqs[rec["lease_id"]] += 1
+        if rec["state"] in ("", "s"):      # (a record being freed left its lease's sequences)
+            seqs[rec["lease_id"]] += 1
     held = snap.get("held", {})
     sums: dict[str, list[int]] = {}
     for key, value in sorted(held.items()):
@@ -195,12 +241,19 @@ def _audit_holdings(snap: dict[str, Any], reserved: Counter, bad: Any) -> None:
 
 
 def lease_holdings(pool_id: str, snap: dict[str, Any]) -> list[LeaseHoldings]:
-    """Per lease known to the pool: its sequences, its reserve and its journal's progress."""
-    seqs = Counter(rec["lease_id"] for rec in snap["seqs"].values())
+    """Per lease known to the pool: its sequences, its reserve, its staged blocks and its
+    journal's progress."""
+    seqs = Counter(rec["lease_id"] for rec in snap["seqs"].values() if not rec["state"])
     reserved = Counter(lease for lease, _ in snap["reserve"])
-    leases = sorted(set(snap["leases"]) | set(seqs) | set(reserved) | set(snap["journal"]))
+    staged = staged_blocks(snap)
+    owner: dict[int, str] = {}
+    for rec in snap["seqs"].values():
+        if rec["state"] == "s":
+            owner.update((b, rec["lease_id"]) for b in rec["block_table"] if b in staged)
+    staged_by = Counter(owner.values())
+    leases = sorted(set(snap["leases"]) | set(seqs) | set(reserved) | set(snap["journal"]) | set(staged_by))
     return [LeaseHoldings(pool_id, lease, seqs.get(lease, 0), reserved.get(lease, 0),
-                          snap["journal"].get(lease, (0, 0))[0])
+                          snap["journal"].get(lease, (0, 0))[0], staged_by.get(lease, 0))
             for lease in leases]
 
 

@@ -93,12 +93,13 @@ def check_request_id(request_id: str) -> None:
         raise errors.InvalidArgument(f"malformed request_id {echo(request_id)} (1..128 of A-Z a-z 0-9 _ . : -)")
 
 
-def check_create(c: Create, max_prompt_tokens: int) -> bytes:
+def check_create(c: Create, max_sequence_tokens: int) -> bytes:
     """Checks a create; returns its prompt as the bytes the block hashes take."""
     if not c.token_ids:
         raise errors.InvalidArgument("a create needs a non-empty prompt (token_ids)")
-    if len(c.token_ids) > max_prompt_tokens:
-        raise errors.InvalidArgument(f"prompt of {len(c.token_ids)} tokens, at most {max_prompt_tokens}")
+    if len(c.token_ids) > max_sequence_tokens:
+        raise errors.InvalidArgument(f"prompt of {len(c.token_ids)} tokens, a sequence holds at most "
+                                     f"{max_sequence_tokens} (max_sequence_tokens)")
     data = hashing.token_bytes_checked(c.token_ids, "prompt")
     if c.pool_id:
         check_pool_arg(c.pool_id)

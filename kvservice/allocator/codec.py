@@ -19,6 +19,10 @@ from kvservice import errors
 #: the pool's epoch moved on since the allocator read it; the lease is unknown to the pool.
 STALE_EPOCH = "STALE_EPOCH"
 LEASE_UNKNOWN = "LEASE_UNKNOWN"
+#: The step is more than one call's work (the allocator carries it out in parts:
+#: ``runs.py``); a run's part needs more blocks than it was admitted and the pool has.
+TOO_BIG = "TOO_BIG"
+RUN_SHORT = "RUN_SHORT"
 
 
 class ScriptError(Exception):

@@ -59,16 +59,16 @@ class Settings(EnvSettings):
     #: measures the worst call they allow).
     #: Items (updates + creates) in one Step.
     max_items_per_call: int = 128
-    #: New blocks one call may allocate, and the blocks of one Step's creates in all
-    #: (cached or new).
+    #: New blocks one script call may allocate, and the blocks of its creates in all
+    #: (cached or new): a larger create is staged over several calls (docs/allocator.md,
+    #: "Big operations in bounded calls").
     max_blocks_per_call: int = 512
-    #: The longest block table a sequence may have (a create, growth or a fork past it is
-    #: refused): with 16-token blocks, 8,192 tokens.
-    max_sequence_blocks: int = 512
-    #: Blocks one Step's frees may release (the SDK spreads larger frees over calls).
+    #: The longest sequence (tokens): a prompt, a growth or a fork past it is refused.
+    #: Beyond that, a sequence's size is the pool's business (its blocks, the tenant's
+    #: quota), not a call's.
+    max_sequence_tokens: int = 1 << 22
+    #: Blocks one script call's frees may release (a longer sequence is freed in parts).
     max_release_per_call: int = 512
-    #: Longest prompt a create accepts (tokens; its blocks are bounded by the two above).
-    max_prompt_tokens: int = 1 << 16
     #: A Sync's journal, per pool: entries and blocks at most (the allocator applies it
     #: in script calls of at most ~128 entries, each under the same ~10 ms), and blocks
     #: given back at most.
@@ -139,8 +139,8 @@ class Settings(EnvSettings):
         check_in_range("redis_wait_replicas", self.redis_wait_replicas, 0, 16)
         check_in_range("redis_wait_timeout_ms", self.redis_wait_timeout_ms, 1, 60_000)
         check_in_range("max_message_mb", self.max_message_mb, 1, 1024)
-        for name in ("max_items_per_call", "max_blocks_per_call", "max_prompt_tokens", "max_forks_per_sequence",
-                     "max_forks_per_call", "max_fork_refs_per_call", "max_refill_per_call", "max_sequence_blocks",
+        for name in ("max_items_per_call", "max_blocks_per_call", "max_sequence_tokens", "max_forks_per_sequence",
+                     "max_forks_per_call", "max_fork_refs_per_call", "max_refill_per_call",
                      "max_release_per_call", "max_journal_entries", "max_journal_blocks", "max_returned_blocks"):
             check_in_range(name, getattr(self, name), 1, 2**31 - 1)
         if not (0 <= self.reserve_share <= 1 and 0 <= self.reserve_pressure_share <= 1):

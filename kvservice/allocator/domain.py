@@ -101,6 +101,8 @@ class StepOutcome:
     updates: list[SeqDelta | None]
     created: list[SeqState | None]
     copies: list[tuple[str, int, int]]
+    #: (an error's partial outcome) the pools whose part was refused
+    failed_pools: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +183,8 @@ class LeaseHoldings:
     num_sequences: int
     num_reserved_blocks: int
     applied_entries: int
+    #: blocks held only by the lease's staged records (runs under way)
+    num_staged_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

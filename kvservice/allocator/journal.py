@@ -176,31 +176,45 @@ SCRIPT_WORK = 1024
 RESYNC_WORK = 1024
 
 
-def journal_chunks(journal: dict[str, Any], block_size: int) -> list[tuple[int, dict[str, Any]]]:
+def journal_chunks(journal: dict[str, Any], block_size: int, max_fork_refs: int = SCRIPT_WORK,
+                   max_release: int = SCRIPT_WORK) -> list[tuple[int, dict[str, Any], bool]]:
     """A ``journal_payload`` cut into the script calls that apply it: (the offset of the
-    call's first entry in the journal, its part of the columns); at least one part."""
+    call's first entry in the journal, its part of the columns, whether it is one long
+    entry: a FORK of a sequence of more than ``max_fork_refs`` blocks or a FREE of more than
+    ``max_release``, applied in parts); at least one call."""
     n = journal["n"]
     if n == 0:
-        return [(0, journal)]
+        return [(0, journal, False)]
     kinds, toks, nb, nc = journal["kinds"], journal["num_tokens"], journal["num_blocks"], journal["num_commits"]
-    cuts, work, start = [], 0, 0
+    cuts, work, forked, start = [], 0, 0, 0
     for i in range(n):
-        w = 1 + nb[i] + nc[i] + (-(-toks[i] // block_size) if kinds[i] in (FORK, FREE) else 0)
-        if i > start and (i - start >= SCRIPT_ENTRIES or work + w > SCRIPT_WORK):
-            cuts.append((start, i))
-            start, work = i, 0
+        k = kinds[i]
+        table = -(-toks[i] // block_size) if k in (FORK, FREE) else 0
+        if (k == FORK and table > max_fork_refs) or (k == FREE and table > max_release):
+            if i > start:
+                cuts.append((start, i, False))
+            cuts.append((i, i + 1, True))
+            start, work, forked = i + 1, 0, 0
+            continue
+        w = 1 + nb[i] + nc[i] + table
+        refs = table if k == FORK else 0
+        if i > start and (i - start >= SCRIPT_ENTRIES or work + w > SCRIPT_WORK or forked + refs > max_fork_refs):
+            cuts.append((start, i, False))
+            start, work, forked = i, 0, 0
         work += w
-    cuts.append((start, n))
-    if len(cuts) == 1:
-        return [(0, journal)]
+        forked += refs
+    if start < n:
+        cuts.append((start, n, False))
+    if len(cuts) == 1 and not cuts[0][2]:
+        return [(0, journal, False)]
     out = []
     bo = co = po = 0
-    for a, b in cuts:
+    for a, b, big in cuts:
         kb, kc = sum(nb[a:b]), sum(nc[a:b])
         kp = sum(1 for c in nc[a:b] if c)
         out.append((a, {"n": b - a, "kinds": kinds[a:b], "sequences": journal["sequences"][a:b], "num_tokens": toks[a:b],
                         "children": journal["children"][a:b], "num_blocks": nb[a:b],
                         "blocks": journal["blocks"][bo:bo + kb], "num_commits": nc[a:b],
-                        "commits": journal["commits"][co:co + kc], "parents": journal["parents"][po:po + kp]}))
+                        "commits": journal["commits"][co:co + kc], "parents": journal["parents"][po:po + kp]}, big))
         bo, co, po = bo + kb, co + kc, po + kp
     return out

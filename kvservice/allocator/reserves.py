@@ -64,10 +64,10 @@ class ReserveOps:
             if r.resync is not None:
                 s = self.settings
                 blocks = sum(len(c.block_table) for c in r.resync)
-                longest = max((len(c.block_table) for c in r.resync), default=0)
-                if longest > s.max_sequence_blocks:
-                    raise errors.InvalidArgument(f"pool {r.pool_id}: a resync claims a sequence of {longest} blocks, "
-                                                 f"at most {s.max_sequence_blocks} (max_sequence_blocks)")
+                longest = max((c.num_tokens for c in r.resync), default=0)
+                if longest > s.max_sequence_tokens:
+                    raise errors.InvalidArgument(f"pool {r.pool_id}: a resync claims a sequence of {longest} tokens, "
+                                                 f"at most {s.max_sequence_tokens} (max_sequence_tokens)")
                 if len(r.resync) > s.max_journal_entries or blocks > s.max_journal_blocks:
                     raise errors.InvalidArgument(
                         f"pool {r.pool_id}: a resync of {len(r.resync)} sequences and {blocks} blocks, at most "
@@ -123,11 +123,22 @@ class ReserveOps:
         # The journal in script calls of bounded work (each stalls Redis while it runs):
         # every call but the last only applies entries (a resend is a no-op by numbering);
         # the last also refills, takes back and grants numbers, under the request id.
-        chunks = journal_chunks(entries, geo.block_size)
-        for offset, part in chunks[:-1]:
-            await self._attached(lease_id, r.pool_id, {**base, **idle, "first_entry": r.first_entry + offset,
-                                                       "journal": part}, self.store.sync)
-        offset, part = chunks[-1]
+        chunks = journal_chunks(entries, geo.block_size, s.max_fork_refs_per_call, s.max_release_per_call)
+        if chunks[-1][2]:       # (a long entry last: the refill and the rest in a call after it)
+            chunks.append((entries["n"], {"n": 0}, False))
+        for offset, part, big in chunks[:-1]:
+            call = {**base, **idle, "first_entry": r.first_entry + offset, "journal": part}
+            if not big:
+                await self._attached(lease_id, r.pool_id, call, self.store.sync)
+                continue
+            # One long FORK or FREE, applied in parts (``scripts/sync.lua``): until the pool
+            # says it is applied (a part that applied nothing says so: a gap, or applied before).
+            call.update(part=True, budget=s.max_blocks_per_call)
+            while True:
+                got = await self._attached(lease_id, r.pool_id, call, self.store.sync)
+                if got["applied"] >= r.first_entry + offset or got.get("stuck"):
+                    break
+        offset, part, _ = chunks[-1]
         reply = await self._attached(lease_id, r.pool_id, {
             **base, "request_id": request_id, "fingerprint": fingerprint("sync", request) if request_id else "",
             "first_entry": r.first_entry + offset, "journal": part, "want": r.want_blocks, "returned": returned,
@@ -151,18 +162,25 @@ class ReserveOps:
     async def _resync_parts(self, lease_id: str, pool_id: str, payload: dict[str, Any],
                             claims: list[dict[str, Any]]) -> dict[str, Any]:
         """A resync, in script calls of bounded work (``scripts/resync.lua``): each part
-        gets the claims from the one the run wants next, about a part's work of them."""
-        part, offset = 0, 0
+        gets the claims from the one the run wants next, about a part's work of them; a
+        claim longer than a part goes alone, in pieces of a part's blocks."""
+        part, offset, start = 0, 0, 1
         while True:
             end, work = offset, 0
             while end < len(claims) and (end == offset or work + len(claims[end]["tab"]) <= RESYNC_WORK):
                 work += 1 + len(claims[end]["tab"])
                 end += 1
-            reply = await self._attached(lease_id, pool_id, {**payload, "part": part, "offset": offset,
-                                                             "claims": claims[offset:end]}, self.store.resync)
+            call = {**payload, "part": part, "offset": offset, "claims": claims[offset:end], "piece": False,
+                    "from": 1, "blocks": 0}
+            if offset < len(claims) and len(claims[offset]["tab"]) > RESYNC_WORK:
+                c = claims[offset]
+                a, b = start - 1, start - 1 + RESYNC_WORK
+                call.update(claims=[{**c, "tab": c["tab"][a:b], "hs": c["hs"][a:b]}], piece=True, **{"from": start},
+                            blocks=len(c["tab"]))
+            reply = await self._attached(lease_id, pool_id, call, self.store.resync)
             if reply["done"]:
                 return reply
-            part, offset = part + 1, reply["next"]
+            part, offset, start = part + 1, reply["next"], reply.get("from", 1)
 
     async def _attached(self, lease_id: str, pool_id: str, payload: dict[str, Any], call: Any) -> dict[str, Any]:
         """A Sync script call; once more after attaching the lease again when the pool no

@@ -91,6 +91,7 @@ def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
     for s in o.created:
         out.created.append(seq_to_pb(s) if s else pb.Sequence())
     out.copies.extend(pb.CopyPair(pool_id=p, src=a, dst=b) for p, a, b in o.copies)
+    out.failed_pools.extend(o.failed_pools)
     return out
 
 
@@ -211,7 +212,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                                 leases=[pb.LeaseHoldings(pool_id=h.pool_id, lease_id=h.lease_id,
                                                          num_sequences=h.num_sequences,
                                                          num_reserved_blocks=h.num_reserved_blocks,
-                                                         applied_entries=h.applied_entries) for h in holdings])
+                                                         applied_entries=h.applied_entries,
+                                                         num_staged_blocks=h.num_staged_blocks) for h in holdings])
 
 
 

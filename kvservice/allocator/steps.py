@@ -14,7 +14,8 @@ from typing import Any
 from kvservice import errors
 from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, check_request_id, commit_payload,
                                         epoch_error, fingerprint, seq_state)
-from kvservice.allocator.codec import STALE_EPOCH, ScriptError
+from kvservice.allocator.codec import STALE_EPOCH, TOO_BIG, ScriptError
+from kvservice.allocator.runs import RunOps
 from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id)
 from kvservice.common import hashing
@@ -25,8 +26,9 @@ from kvservice.common.geometry import Geometry
 FAN_OUT = 64
 
 
-class StepOps:
-    """``Allocator.step`` and ``get_sequence``, and their per-pool payloads."""
+class StepOps(RunOps):
+    """``Allocator.step`` and ``get_sequence``, and their per-pool payloads (a step too
+    big for one call: ``runs.RunOps``)."""
 
     # ------------------------------------------------------------ sequences
 
@@ -40,7 +42,7 @@ class StepOps:
             raise errors.NotFound(f"pool {pool_id} is not registered")
         if current != epoch:
             raise epoch_error(sequence_id, pool_id, epoch, current)
-        if rec is None or not _tag_fits(tag, rec["lease_id"], pool_id, epoch, n):
+        if rec is None or rec["state"] or not _tag_fits(tag, rec["lease_id"], pool_id, epoch, n):
             raise errors.NotFound(f"sequence {sequence_id} not found")
         _, geo = await self.geometry(pool_id)
         return seq_state(pool_id, epoch, {"sequence": n, **rec}, rec["lease_id"], geo.block_size)
@@ -88,7 +90,7 @@ class StepOps:
         if children > s.max_forks_per_call:
             raise errors.InvalidArgument(f"the step forks {children} children, at most {s.max_forks_per_call} per call")
         tenant = ""
-        packed = [check_create(c, s.max_prompt_tokens) for c in creates]
+        packed = [check_create(c, s.max_sequence_tokens) for c in creates]
         # The request's identity for retries: every field of every item.
         digest = ""
         if request_id:
@@ -120,14 +122,28 @@ class StepOps:
             tenant = await self._lease_tenant(lease_id)    # (its quotas)
         outcome = StepOutcome([None] * len(updates), [None] * len(creates), [])
         pools = list(by_pool)
+        for pool_id in pools:
+            await self.geometry(pool_id)
+        big = {p for p in pools if self._too_big(p, by_pool[p])}
         payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_left, request_id, digest)
-                    for p in pools]
-        replies = await self.store.step(payloads)
+                    for p in pools if p not in big]
+        replies = iter(await self.store.step(payloads) if payloads else [])
         first_error: errors.KvsError | None = None
-        for pool_id, payload, reply in zip(pools, payloads, replies):
-            for _ in range(3):
+        partial = False
+        for pool_id in pools:
+            reply: Any = ScriptError(TOO_BIG, {}) if pool_id in big else next(replies)
+            for _ in range(4):
                 if not isinstance(reply, ScriptError):
                     break
+                if reply.code == TOO_BIG:
+                    # (more than one call's work: the step in parts, in this pool)
+                    details = reply.reply if pool_id not in big else None
+                    try:
+                        reply = await self._step_in_parts(pool_id, by_pool[pool_id], lease_id, tenant, lease_left,
+                                                          request_id, digest, details)
+                    except (errors.KvsError, ScriptError) as exc:
+                        reply = exc
+                    continue
                 if reply.code == STALE_EPOCH:
                     await self.geometry(pool_id, refresh=True)
                 else:  # LEASE_UNKNOWN: the pool forgot the lease (re-registered); attach again
@@ -137,6 +153,12 @@ class StepOps:
                                                    lease_left, request_id, digest)
                 reply = (await self.store.step([payload]))[0]
             if isinstance(reply, Exception):
+                outcome.failed_pools.append(pool_id)
+                # (a step in parts refused after its commits and frees: those are the caller's)
+                applied = getattr(reply, "applied", None)
+                if applied:
+                    self._collect_applied(pool_id, by_pool[pool_id], applied, outcome)
+                    partial = True
                 if isinstance(reply, errors.ResourceExhausted):
                     reply.pool_id = pool_id
                     if not reply.quota:       # (a quota is the tenant's limit, not the pool's)
@@ -152,7 +174,7 @@ class StepOps:
                 # sequences): a refused sequence may be the sign of an unknown, revoked or
                 # expired lease, and that is the error to report then.
                 await self._check_lease(lease_id)
-            if len(pools) > 1:
+            if len(pools) > 1 or partial:
                 first_error.partial = outcome
             raise first_error
         return outcome
@@ -181,9 +203,9 @@ class StepOps:
                 if not 0 <= f <= MAX_INT:
                     raise errors.InvalidArgument(f"sequence {sid}: fork_grow_to {f} is out of range")
         longest = max(g, max(forks, default=0))
-        if longest > self.settings.max_sequence_blocks * geo.block_size:
-            raise errors.InvalidArgument(f"sequence {sid}: {longest} tokens need {-(-longest // geo.block_size)} "
-                                         f"blocks, a sequence holds at most {self.settings.max_sequence_blocks}")
+        if longest > self.settings.max_sequence_tokens:
+            raise errors.InvalidArgument(f"sequence {sid}: {longest} tokens, a sequence holds at most "
+                                         f"{self.settings.max_sequence_tokens} (max_sequence_tokens)")
         payload = {"sequence": n, "tag": tag, "epoch": epoch, "num_tokens": t, "grow_to": g, "free": free,
                    "num_committed_blocks": 0, "parent_hash": "", "fork_grow_to": forks, "commits": []}
         commits = u.commits
@@ -194,41 +216,51 @@ class StepOps:
         commit_payload(payload, f"sequence {sid}", u.parent_hash, commits, geo.block_size)
         return payload
 
-    async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
-                            lease_left: int, request_id: str, digest: str) -> dict[str, Any]:
-        """One pool's step script call (``scripts/step.lua``). ``lease_left``: the lease's
-        time left (ms) as its record told, which the pool's shard adds to its own clock; 0
-        when the lease is known to be attached to the pool already (the script then reads
-        its deadline there)."""
-        epoch, geo = await self.geometry(pool_id)
+    def _too_big(self, pool_id: str, items: dict[str, list]) -> bool:
+        """Whether a pool's part of a step is known to need more than one call before it is
+        tried: its creates hold, or its commits register, more blocks than one call takes."""
         s = self.settings
-        bs = geo.block_size
+        bs = self._geometry[pool_id][1].block_size
         blocks = sum(-(-(len(data) // 4) // bs) for _, _, data in items["creates"])
-        if blocks > s.max_blocks_per_call:
-            raise errors.InvalidArgument(f"pool {pool_id}: the step's creates hold {blocks} blocks in all, at most "
-                                         f"{s.max_blocks_per_call} per call (create them over several calls)")
         commits = sum(len(p["commits"]) for _, _, p in items["updates"])
-        if commits > s.max_blocks_per_call:
-            raise errors.InvalidArgument(f"pool {pool_id}: the step commits {commits} blocks, at most "
-                                         f"{s.max_blocks_per_call} per call")
+        return blocks > s.max_blocks_per_call or commits > s.max_blocks_per_call
+
+    def _create_payloads(self, pool_id: str, items: dict[str, list], tenant: str, epoch: int,
+                         geo: Geometry) -> list[dict[str, Any]]:
+        """A pool's creates as the step script takes them; their block hashes (for the
+        replies) in ``items["hashes"]``."""
         creates = []
-        items["hashes"] = []     # (each create's block hashes, for its reply)
+        items["hashes"] = []
+        bs = geo.block_size
         for _, c, data in items["creates"]:
             root = hashing.root_hash(self._salt(tenant), c.extra_key)
             n = len(data) // 4
-            if -(-n // bs) > s.max_sequence_blocks:
-                raise errors.InvalidArgument(f"pool {pool_id}: a prompt of {n} tokens needs {-(-n // bs)} blocks, "
-                                             f"a sequence holds at most {s.max_sequence_blocks}")
-            hs = hashing.chain_hashes(root, data, geo.block_size, n // geo.block_size)
+            hs = hashing.chain_hashes(root, data, bs, n // bs)
             creates.append({"epoch": epoch, "num_tokens": n, "root_hash": root.hex(),
                             "block_hashes": [h.hex() for h in hs]})
             items["hashes"].append(hs)
+        return creates
+
+    def _step_payload(self, pool_id: str, updates: list[dict[str, Any]], creates: list[dict[str, Any]],
+                      lease_id: str, tenant: str, lease_left: int, request_id: str, digest: str) -> dict[str, Any]:
+        """One step script call (``scripts/step.lua``). ``lease_left``: the lease's time left
+        (ms) as its record told, which the pool's shard adds to its own clock; 0 when the
+        lease is known to be attached to the pool already (the script then reads its
+        deadline there)."""
+        s = self.settings
         return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
                 "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_left_ms": lease_left,
                 "tenant": tenant, "quota": self.quota(tenant),
                 "max_blocks": s.max_blocks_per_call, "max_fork_refs": s.max_fork_refs_per_call,
-                "max_release": s.max_release_per_call,
-                "updates": [payload for _, _, payload in items["updates"]], "creates": creates}
+                "max_release": s.max_release_per_call, "updates": updates, "creates": creates}
+
+    async def _pool_payload(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str,
+                            lease_left: int, request_id: str, digest: str) -> dict[str, Any]:
+        """A pool's part of a step in one step script call."""
+        epoch, geo = await self.geometry(pool_id)
+        creates = self._create_payloads(pool_id, items, tenant, epoch, geo)
+        return self._step_payload(pool_id, [payload for _, _, payload in items["updates"]], creates, lease_id,
+                                  tenant, lease_left, request_id, digest)
 
     async def _place(self, c: Create, data: bytes, tenant: str) -> str:
         """The pool with the longest cached prefix of ``c``, then the most free blocks."""
@@ -241,8 +273,8 @@ class StepOps:
                 return None
             max_hit = (len(data) // 4 - 1) // geo.block_size
             hs = [h.hex() for h in hashing.chain_hashes(root, data, geo.block_size, max_hit)]
-            reply = await self.store.probe(pool_id, epoch, hs)
-            return int(reply["hits"]) * geo.block_size, int(reply["available"]), pool_id
+            hits, _, available = await self._probe_prefix(pool_id, epoch, hs)
+            return hits * geo.block_size, available, pool_id
 
         scored: list[tuple[int, int, str]] = []
         for cached in (True, False):     # this replica's recent list; the registry if that has none
@@ -255,6 +287,15 @@ class StepOps:
             raise errors.FailedPrecondition("no pool is registered")
         # Most cached tokens, then most blocks available, then the smallest pool id.
         return min(scored, key=lambda x: (-x[0], -x[1], x[2]))[2]
+
+    def _collect_applied(self, pool_id: str, items: dict[str, list], applied: dict[int, dict[str, Any]],
+                         outcome: StepOutcome) -> None:
+        """The deltas of the updates a refused step in parts applied first (commits, lengths,
+        frees: ``runs.RunOps._step_in_parts``)."""
+        for k, d in applied.items():
+            i, sid, _ = items["updates"][k]
+            outcome.updates[i] = SeqDelta(sid, d["num_tokens"], [], None, d["num_committed_blocks"],
+                                          bytes.fromhex(d["last_hash"]), [], bool(d.get("freed")))
 
     def _collect(self, pool_id: str, items: dict[str, list], lease_id: str, reply: dict[str, Any],
                  outcome: StepOutcome) -> None:

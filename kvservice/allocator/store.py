@@ -22,8 +22,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvservice import errors
 from kvservice.allocator import codec, keys, lua
-from kvservice.allocator.codec import LEASE_UNKNOWN, STALE_EPOCH
+from kvservice.allocator.codec import LEASE_UNKNOWN, RUN_SHORT, STALE_EPOCH, TOO_BIG
 from kvservice.common.redis_errors import REDIS_DOWN
+
+
+#: Blocks per stored page of a block table (``scripts/lib/records.lua``: page 0 under the
+#: sequence's field ``<n>``, page k under ``<n>:<k>``).
+PAGE = 128
 
 
 def blocks_of(table: str | bytes) -> list[int]:
@@ -33,14 +38,33 @@ def blocks_of(table: str | bytes) -> list[int]:
     return [int(table[i:i + 6], 16) for i in range(0, len(table), 6)]
 
 
+def page_fields(n: int | str, num_blocks: int) -> list[str]:
+    """The ``tabs`` fields of a table of ``num_blocks`` blocks, page by page."""
+    pages = -(-num_blocks // PAGE)
+    return [str(n) if k == 0 else f"{n}:{k}" for k in range(pages)]
+
+
 def parse_record(meta: bytes | str, table: bytes | str | None) -> dict[str, Any]:
-    """A stored sequence record (``keys.py``: ``seqs`` and ``tabs``) as
-    ``{lease_id, num_tokens, num_committed_blocks, num_cached_tokens, last_hash, block_table}``."""
+    """A stored sequence record (``keys.py``: ``seqs``, and its ``tabs`` pages joined) as
+    ``{lease_id, num_tokens, num_committed_blocks, num_cached_tokens, last_hash, num_blocks,
+    state, block_table}``; ``state`` is "" for a live sequence, "s" for one a run is
+    building (staged), "f" for one being freed in parts."""
     if isinstance(meta, bytes):
         meta = meta.decode()
-    lease, t, c, k, h = meta.split(" ")
+    lease, t, c, k, h, nb, *state = meta.split(" ")
     return {"lease_id": lease, "num_tokens": int(t), "num_committed_blocks": int(c), "num_cached_tokens": int(k),
-            "last_hash": h, "block_table": blocks_of(table or "")}
+            "last_hash": h, "num_blocks": int(nb), "state": state[0] if state else "",
+            "block_table": blocks_of(table or "")}
+
+
+def join_pages(tabs: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """A ``tabs`` hash as read (page fields ``<n>`` and ``<n>:<k>``) -> each sequence's
+    whole table, its pages joined in order."""
+    pages: dict[bytes, list[tuple[int, bytes]]] = {}
+    for field, value in tabs.items():
+        n, _, k = field.partition(b":")
+        pages.setdefault(n, []).append((int(k) if k else 0, value))
+    return {n: b"".join(v for _, v in sorted(ps)) for n, ps in pages.items()}
 
 
 def redacted(url: str) -> str:
@@ -95,7 +119,7 @@ POOL_LIST_WAIT = 0.25
 
 #: The scripts that hand out or free blocks: with ``Store.wait_replicas``, each is
 #: acknowledged only once that many replicas of its shard have its writes (``WAIT``).
-DURABLE_SCRIPTS = frozenset({"step", "sync", "resync", "reap"})
+DURABLE_SCRIPTS = frozenset({"step", "sync", "resync", "reap", "stage"})
 
 
 class Store:
@@ -254,7 +278,7 @@ class Store:
         """Runs one step script per pool (pipelined); returns each pool's reply or error
         (see ``step.lua`` for the payload)."""
         calls = [(self._pool_args(p["pool"], p["request_id"]), p) for p in payloads]
-        internal = (STALE_EPOCH, LEASE_UNKNOWN)
+        internal = (STALE_EPOCH, LEASE_UNKNOWN, TOO_BIG)
         if len(calls) == 1:
             try:
                 return [await self._call("step", *calls[0], internal=internal)]
@@ -275,6 +299,35 @@ class Store:
         return await self._call("resync", self._pool_args(pool_id, payload["request_id"])
                                 + [keys.resync_key(pool_id, payload["lease_id"])], payload,
                                 internal=(LEASE_UNKNOWN,))
+
+    async def stage(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """One part of a run in one pool (``stage.lua``): a create or a fork larger than one
+        call, a long sequence freed from its last block."""
+        return await self._call("stage", self._pool_args(payload["pool"], payload["request_id"]), payload,
+                                internal=(STALE_EPOCH, LEASE_UNKNOWN, RUN_SHORT))
+
+    async def remember(self, pool_id: str, request_id: str, fingerprint: str, outcome: dict[str, Any],
+                       ttl_ms: int) -> None:
+        """Keeps a step's outcome under its request id in one pool (``remember.lua``)."""
+        await self._call("remember", [keys.request_key(pool_id, request_id)],
+                         {"fingerprint": fingerprint, "outcome": outcome, "request_ttl_ms": ttl_ms})
+
+    async def run_number(self, pool_id: str, request_id: str) -> int:
+        """The sequence number of the run under a request id (``stage.lua`` keeps
+        ``<fingerprint>#<n>`` there while the run goes on); 0 when there is none."""
+        raw = await self.redis.get(keys.request_key(pool_id, request_id))
+        if raw and raw[64:65] == b"#" and raw[65:].isdigit():
+            return int(raw[65:])
+        return 0
+
+    async def block_table(self, pool_id: str, n: int) -> list[int]:
+        """A record's whole block table (live or staged), read page by page."""
+        meta = await self.redis.hget(keys.pool_key(pool_id, "seqs"), str(n))
+        if not meta:
+            raise errors.NotFound(f"sequence {pool_id}/{n} not found")
+        rec = parse_record(meta, b"")
+        pages = await self.redis.hmget(keys.pool_key(pool_id, "tabs"), page_fields(n, rec["num_blocks"]))
+        return blocks_of(b"".join(p or b"" for p in pages))
 
     async def reap(self, pool_id: str, *, force_lease: str = "", max_leases: int = 16,
                    max_seqs: int = 128, max_blocks: int = 512, tombstone_ms: int = 3_600_000) -> dict[str, Any]:
@@ -447,12 +500,27 @@ class Store:
 
     async def get_sequence(self, pool_id: str, n: int) -> tuple[int | None, dict[str, Any] | None]:
         """The pool's current epoch and the sequence record (or None)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hget(keys.pool_key(pool_id, "meta"), "epoch")
-            pipe.hget(keys.pool_key(pool_id, "seqs"), str(n))
-            pipe.hget(keys.pool_key(pool_id, "tabs"), str(n))
-            epoch, meta, tab = await pipe.execute()
-        return (int(epoch) if epoch else None), (parse_record(meta, tab) if meta else None)
+        tabs = keys.pool_key(pool_id, "tabs")
+        for _ in range(5):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hget(keys.pool_key(pool_id, "meta"), "epoch")
+                pipe.hget(keys.pool_key(pool_id, "seqs"), str(n))
+                pipe.hget(tabs, str(n))
+                epoch, meta, first = await pipe.execute()
+            if not meta:
+                return (int(epoch) if epoch else None), None
+            rec = parse_record(meta, first)
+            if rec["num_blocks"] <= PAGE:
+                return int(epoch), rec
+            # A long table: every page, and the record again to see that it did not change.
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hget(keys.pool_key(pool_id, "seqs"), str(n))
+                pipe.hmget(tabs, page_fields(n, rec["num_blocks"]))
+                again, pages = await pipe.execute()
+            if again == meta:
+                rec["block_table"] = blocks_of(b"".join(p or b"" for p in pages))
+                return int(epoch), rec
+        raise errors.Unavailable(f"sequence {n} of pool {pool_id} changed during each read; retry")
 
     async def snapshot(self, pool_id: str, *, piece: int = 1024, attempts: int = 20) -> dict[str, Any] | None:
         """Every allocation key of one pool and its counts (for the audit), read in pieces of
@@ -558,9 +626,13 @@ def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2
     def s(x: bytes) -> str:
         return x.decode()
 
+    tables = join_pages(tabs)
+
     return {
         "meta": {s(a): s(b) for a, b in meta.items()},
-        "state": {s(a): int(b) for a, b in state.items() if a in (b"fresh", b"clock")},
+        "state": {s(a): int(b) for a, b in state.items() if a in (b"fresh", b"clock", b"admitted")},
+        # sequence -> (lease, blocks admitted and not taken yet) of each run (scripts/stage.lua)
+        "runs": {int(a[4:]): (s(b.split()[0]), int(b.split()[1])) for a, b in state.items() if a.startswith(b"run:")},
         "version": int(state.get(b"version", 0)),
         "free": [int(b) for b in free],
         # (block -> LRU clock, unordered: a sort of a large evictable set, one C-level
@@ -569,7 +641,7 @@ def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2
         "ref": {int(a): int(b) for a, b in ref.items()},
         "h2b": {s(a): int(b) for a, b in h2b.items()},
         "b2h": {int(a): s(b) for a, b in b2h.items()},
-        "seqs": {int(a): parse_record(b, tabs.get(a)) for a, b in seqs.items()},
+        "seqs": {int(a): parse_record(b, tables.get(a)) for a, b in seqs.items()},
         "leases": {s(m): sc for m, sc in sorted(leases, key=lambda x: (x[1], x[0]))},
         "lseq": sorted(s(m) for m in lseq),
         "stats": {s(a): int(b) for a, b in stats.items()},

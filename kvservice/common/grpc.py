@@ -20,10 +20,26 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 ServicerAdder = tuple[Callable[[Any, grpc.aio.Server], None], Any]
 
 
+class HealthServicer(health.aio.HealthServicer):
+    """gRPC health (``grpc.health.v1.Health``) with ``List``, which grpcio's servicer
+    leaves unimplemented: every service's status, as ``Check`` answers it for each."""
+
+    #: The protocol's bound on the services one List answers (RESOURCE_EXHAUSTED past it).
+    MAX_LIST = 100
+
+    async def List(self, request: health_pb2.HealthListRequest, context: Any) -> health_pb2.HealthListResponse:
+        statuses = dict(self._server_status)
+        if len(statuses) > self.MAX_LIST:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(statuses)} services, more than one List answers ({self.MAX_LIST})")
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()})
+
+
 async def build_server(address: str, services: Iterable[ServicerAdder], service_names: Iterable[str], *,
                        interceptors: Iterable[grpc.aio.ServerInterceptor] = (), max_message: int = 64 << 20,
                        serving: bool = True, credentials: grpc.ServerCredentials | None = None
-                       ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+                       ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """A not-yet-started aio server with the given services, gRPC health and reflection.
 
     Args:
@@ -48,7 +64,7 @@ async def build_server(address: str, services: Iterable[ServicerAdder], service_
     names = list(service_names)
     for add, servicer in services:
         add(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await set_serving(health_servicer, serving, names)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
@@ -58,7 +74,7 @@ async def build_server(address: str, services: Iterable[ServicerAdder], service_
     return server, port, health_servicer
 
 
-async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool, service_names: Iterable[str]) -> None:
+async def set_serving(health_servicer: HealthServicer, serving: bool, service_names: Iterable[str]) -> None:
     """Sets the health status of ``service_names`` and of the server as a whole (``""``)."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *service_names):

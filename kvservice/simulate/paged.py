@@ -60,11 +60,11 @@ if TYPE_CHECKING:
 #: longer be deterministic.
 #: The study's pools of 1-token blocks take creates and frees of thousands of blocks: the
 #: per-call limits (which bound how long one call may stall Redis for the other callers,
-#: docs/security.md) are raised for it, the only client of its allocator.
+#: docs/security.md) are raised for it, the only client of its allocator, so that each of
+#: its operations is one script call (larger ones would go in parts, in another order).
 ALLOCATOR_FLAGS = ("--metrics-port", "-1", "--log-level", "WARNING", "--reserve-pressure-share", "1",
                    "--max-items-per-call", "4096", "--max-blocks-per-call", "1048576",
-                   "--max-sequence-blocks", "1048576", "--max-release-per-call", "1048576",
-                   "--max-prompt-tokens", "1048576")
+                   "--max-release-per-call", "1048576", "--max-fork-refs-per-call", "1048576")
 
 
 @contextmanager

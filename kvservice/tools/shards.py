@@ -477,7 +477,7 @@ def _check(args: argparse.Namespace) -> str:
         return "--sequences-per-call must be >= 2 (one is freed every few calls)"
     # The blocks the sequences hold at once in one pool (with room for reserves and forks).
     longest = -(-(96 + 3 * (BLOCK_SIZE - 1) + args.max_growth) // BLOCK_SIZE) + 1
-    if longest > Settings().max_sequence_blocks:
+    if longest * BLOCK_SIZE > Settings().max_sequence_tokens:
         return f"--max-growth {args.max_growth}: sequences of {longest} blocks, longer than an allocator allows"
     held = args.clients * (args.sequences_per_pool * (longest + 1) + 4 + args.pool_blocks // 100)
     if 2 * held > args.pool_blocks:

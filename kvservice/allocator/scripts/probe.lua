@@ -1,24 +1,33 @@
 --- probe: read-only; how much of a prompt a pool has cached, and how many blocks it could
---- give (free + evictable), for placing a create.
+--- give (free + evictable, less what runs were admitted), for placing a create and for
+--- admitting a large one (scripts/stage.lua). The caller sends a long chain in slices.
 ---
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch, block_hashes = [hash hex of each block a hit may cover]}
---- Returns msgpack {epoch, hits (leading blocks cached), available}; or an error
----   (lib/codec): NOT_FOUND.
+--- Returns msgpack {epoch, hits (leading blocks cached), referenced (how many of those are
+---   held by block tables: a create shares them without taking a block), available}; or
+---   an error (lib/codec): NOT_FOUND.
 --- @include "lib/pool"
 --- @include "lib/chunked"
 
 local p = args()
 local _, res = guarded(function()
   local epoch, num_blocks = pool_meta(p.pool)
-  local hits = 0
+  local hits, referenced = 0, 0
   if epoch == p.epoch and #p.block_hashes > 0 then
     local got = hmget_chunked(K_H2B, p.block_hashes)
+    local fields = {}
     for i = 1, #got do
       if not got[i] then break end
       hits = i
+      fields[i] = got[i]
+    end
+    if hits > 0 then
+      for _, r in ipairs(hmget_chunked(K_REF, fields)) do
+        if r then referenced = referenced + 1 end
+      end
     end
   end
-  return reply({epoch = epoch, hits = hits, available = available_now(num_blocks)})
+  return reply({epoch = epoch, hits = hits, referenced = referenced, available = available_now(num_blocks)})
 end)
 return res

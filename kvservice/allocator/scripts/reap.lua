@@ -1,23 +1,25 @@
 --- reap: frees the sequences and the reserves of expired leases (or of one revoked lease,
 --- force_lease), a bounded number per call; idempotent, so every replica may run it.
+--- Records that runs were building or freeing go with them (lib/runs: a run's admission
+--- goes back to the pool; a staged create's new blocks lose the hashes it registered). A
+--- sequence longer than what is left of the call's block budget is freed from its last
+--- block, that many blocks per call (it is then in state "f" until it is gone).
 ---
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
 ---   max_seqs, max_blocks (the freed sequences' blocks in all: past it, the rest waits for
----   the next call; one sequence at least; what is left of it, 256 at least, bounds the
----   scan of the reserve hash for an ended lease's reserve), tombstone_ms}
+---   the next call; what is left of it, 256 at least, bounds the scan of the reserve hash
+---   for an ended lease's reserve), tombstone_ms}
 --- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
 ---   freed), reserved (reserve blocks reclaimed), more (whether work is left)}; or an
 ---   error (lib/codec): NOT_FOUND.
 --- @include "lib/time"
---- @include "lib/refs"
---- @include "lib/reserve"
---- @include "lib/held"
+--- @include "lib/runs"
 
 local p = args()
 local ok, res = guarded(function()
-  local epoch, num_blocks = pool_meta(p.pool)
-  return {epoch = epoch, num_blocks = num_blocks}
+  local epoch, num_blocks, bs = pool_meta(p.pool)
+  return {epoch = epoch, num_blocks = num_blocks, bs = bs}
 end)
 if not ok then return res end
 local now = now_ms()
@@ -28,7 +30,21 @@ local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, p
 local budget = p.max_seqs
 local block_budget = p.max_blocks   -- the blocks of the freed sequences, in all
 local nseqs, nleases, more, reserved = 0, 0, false, 0
-local del, lseq_del = {}, {}
+local del, del_tab, lseq_del = {}, {}, {}
+local stats = {}
+local long = nil                      -- a long record: freed in part, alone, after the loop
+
+-- A record about to be dropped: its run ends; a staged create's new blocks lose their
+-- hashes (their content was never computed).
+local function unstage(rec)
+  if rec.st == 's' then
+    local run = run_get(rec.f)
+    if run then run_end(rec.f, run) end
+    if run and run.kind == 'create' then rec.st = 'd' end
+  end
+  if rec.st == 'd' then unhash(rec, rec.k / res.bs + 1) end
+end
+
 for _, lease in ipairs(expired) do
   if budget <= 0 then more = true; break end
   local members = redis.call('ZRANGEBYLEX', K_LSEQ, '[' .. lease .. ':', '(' .. lease .. ';', 'LIMIT', 0, budget + 1)
@@ -37,33 +53,41 @@ for _, lease in ipairs(expired) do
     local ns = {}
     for i = 1, take do ns[i] = string.sub(members[i], #lease + 2) end
     local metas = hmget_chunked(K_SEQS, ns)
-    local tabs = hmget_chunked(K_TABS, ns)
     local recs, blocks = {}, {}
     local done = 0
+    local nrefs, nlive, nheld = 0, 0, 0
     for i = 1, take do
-      -- the block budget: always one sequence, then as many as fit
-      local nb = metas[i] and #(tabs[i] or '') / W or 0
-      if done > 0 and nb > block_budget then break end
+      local rec = metas[i] and load_rec(ns[i], metas[i])
+      local nb = rec and rec.nb or 0
+      if nb > block_budget then
+        -- (longer than what is left: freed in part, alone, if it is the call's first)
+        if done == 0 and nseqs == 0 and #del == 0 then long = rec end
+        break
+      end
       done = i
       lseq_del[#lseq_del + 1] = members[i]
-      if metas[i] then
-        local rec = load_rec(metas[i], tabs[i])
+      if rec then
+        unstage(rec)
+        load_all_pages(rec)
         recs[#recs + 1] = rec
         for _, b in ipairs(rec_blocks(rec)) do blocks[#blocks + 1] = b end
-        del[#del + 1] = ns[i]
+        drop_record(rec, del, del_tab)
         block_budget = block_budget - nb
+        nrefs = nrefs + nb
+        if rec.st == '' then nlive = nlive + 1 end
+        if rec.st == '' or rec.st == 's' then nheld = nheld + 1 end
       end
     end
     load_refs(blocks)
-    local nrefs = 0
-    for _, rec in ipairs(recs) do release(rec); nrefs = nrefs + rec_len(rec) end
-    held_write(held_load(lease), -nrefs, -#recs)
-    nseqs = nseqs + #recs
+    for _, rec in ipairs(recs) do release(rec) end
+    if #recs > 0 then held_write(held_load(lease), -nrefs, -nheld) end
+    nseqs = nseqs + nlive
     if done < take then budget = 0 else budget = budget - take end
     take = done
   end
-  if #members > take then
+  if long or #members > take then
     more = true
+    if long then break end
   else
     -- Its sequences are freed: the lease is dead (the workers learn it from K_DEAD at
     -- once); it leaves the pool's leases once its reserve is back too (a scan of the
@@ -85,13 +109,26 @@ for _, lease in ipairs(expired) do
   end
 end
 if #expired == p.max_leases then more = true end
-if #del > 0 then
-  call_chunked('HDEL', K_SEQS, del)
-  call_chunked('HDEL', K_TABS, del)
+write_records({}, {}, del, del_tab, {}, lseq_del)
+stats.leases_expired = nleases
+stats.sequences_reaped = nseqs
+stats.sequences_freed = nseqs
+if long then
+  -- A long record, alone in this call: freed from its last block, a part.
+  if long.st == '' then
+    stats.sequences_reaped = stats.sequences_reaped + 1
+    stats.sequences_freed = stats.sequences_freed + 1
+    nseqs = nseqs + 1
+    held_write(held_load(long.l), 0, -1)
+  elseif long.st == 's' then
+    held_write(held_load(long.l), 0, -1)
+  end
+  unstage(long)
+  if long.st ~= 'd' then long.st = 'f' end
+  release_tail(long, math.max(p.max_blocks, 1), res.num_blocks, res.bs, false)
+else
+  apply(res.num_blocks, zero_hashed(nil), stats, nil)
 end
-if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
-local stats = {leases_expired = nleases, sequences_reaped = nseqs, sequences_freed = nseqs}
-apply(res.num_blocks, zero_hashed(nil), stats, nil)
 redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
 if #expired > 0 then changed() end
 incr_stats(stats)

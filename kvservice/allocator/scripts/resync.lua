@@ -34,7 +34,11 @@
 --- The first part (part 0) starts a run afresh, ending any earlier one of the lease
 --- (whose parts then fail with RESYNC_SUPERSEDED); each later part continues the run it
 --- names. The caller sends the claims in slices: ``offset`` is the index of the slice's
---- first claim, which must be the run's next (else the reply only says which is next).
+--- first claim, which must be the run's next (else the reply only says which is next). A
+--- claim of more than ``budget`` blocks is sent alone, in pieces (``piece``: its blocks
+--- from ``from`` on, ``blocks`` in all), each checked and taken into a staged record of the
+--- claimed number (lib/runs), the last one making it the sequence; a piece that finds a
+--- block the lease cannot keep makes it lost and gives back what the earlier pieces took.
 ---
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key;
 --- KEYS[18]: the run's key (keys.resync_key).
@@ -44,17 +48,18 @@
 ---   raised here as lease_touch does; 0: none), first_entry, cap, run (the run's id),
 ---   part (0: the first), budget (blocks of work per part), total (claims in all),
 ---   offset, claims = [{n, t (num_tokens), tab = [block ids], c (committed blocks), h (the
----   last hash, hex), hs = [the hash hex of each committed block], k (cached tokens)}]}
---- Returns msgpack {epoch, done = false, next (the index of the next claim to send)} while
+---   last hash, hex), hs = [the hash hex of each committed block], k (cached tokens)}],
+---   piece, from, blocks (a long claim's piece: its tab and hs from block ``from`` on, of
+---   ``blocks`` in all)}
+--- Returns msgpack {epoch, done = false, next (the index of the next claim to send), from
+---   (the first block of its next piece)} while
 ---   the run goes on; {epoch, done = true, applied (first_entry - 1), lost = [sequence
 ---   numbers], reserve = [] (the lease's reserve, given back), cap} when it is done (kept
 ---   under the request id); or an error (lib/codec): NOT_FOUND, FAILED_PRECONDITION
 ---   (reasons EPOCH_CHANGED, LEASE_EXPIRED, RESYNC_SUPERSEDED), and the internal
 ---   LEASE_UNKNOWN.
 --- @include "lib/request"
---- @include "lib/refs"
---- @include "lib/reserve"
---- @include "lib/held"
+--- @include "lib/runs"
 
 local K_REQUEST, K_RUN = KEYS[NUM_POOL_KEYS + 1], KEYS[NUM_POOL_KEYS + 2]
 local p = args()
@@ -94,17 +99,18 @@ local function drop()
   if #members == 0 then return 1, true end
   local ns = {}
   for i, m in ipairs(members) do ns[i] = string.sub(m, #lease + 2) end
-  local metas, tabs = hmget_chunked(K_SEQS, ns), hmget_chunked(K_TABS, ns)
-  local recs, blocks, del, lseq_del, olds, work = {}, {}, {}, {}, {}, 0
+  local metas = hmget_chunked(K_SEQS, ns)
+  local recs, blocks, del, del_tab, lseq_del, olds, work = {}, {}, {}, {}, {}, {}, 0
   for i, f in ipairs(ns) do
-    local nb = metas[i] and #(tabs[i] or '') / W or 0
+    local rec = metas[i] and load_rec(f, metas[i])
+    local nb = rec and rec.nb or 0
     if #lseq_del > 0 and work + nb > budget then break end
     lseq_del[#lseq_del + 1] = members[i]
-    if metas[i] then
-      local rec = load_rec(metas[i], tabs[i])
+    if rec then
+      load_all_pages(rec)
       recs[#recs + 1] = rec
       for _, b in ipairs(rec_blocks(rec)) do blocks[#blocks + 1] = b end
-      del[#del + 1] = f
+      drop_record(rec, del, del_tab)
       olds[#olds + 1] = 'n' .. f; olds[#olds + 1] = 1
     end
     work = work + 1 + nb
@@ -134,7 +140,7 @@ local function drop()
     end
   end
   write_changes(w)
-  write_records({}, {}, del, {}, lseq_del)
+  write_records({}, {}, del, del_tab, {}, lseq_del)
   if #olds > 0 then call_chunked('HSET', K_RUN, olds, 2) end
   held_write(held, #w.reserve_add / 2 - #blocks, -#recs)
   stats.sequences_freed = #recs
@@ -211,8 +217,10 @@ local function claims(next, left)
         if j <= c.c and not hash_of[b] and not reg_b[b] then reg_b[b] = true; reg_h[#reg_h + 1] = {c.hs[j], b} end
       end
       put_meta[#put_meta + 1] = nf[i]
-      put_meta[#put_meta + 1] = meta_string({l = lease, t = c.t, c = c.c, k = c.k, h = c.h})
-      put_tab[#put_tab + 1] = nf[i]; put_tab[#put_tab + 1] = hexids(c.tab)
+      local rec = {f = nf[i], l = lease, t = c.t, c = c.c, k = c.k, h = c.h, st = '', pages = {}, nb = 0, add = c.tab,
+                   new = true}
+      put_meta[#put_meta + 1] = meta_string(rec)
+      rec_page_writes(rec, nil, put_tab)
       lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. nf[i]
       kept, nrefs = kept + 1, nrefs + #c.tab
       if c.n > top then top = c.n end
@@ -243,7 +251,7 @@ local function claims(next, left)
     end
     write_hashes(h2b, b2h)
   end
-  write_records(put_meta, put_tab, {}, lseq_add, {})
+  write_records(put_meta, put_tab, {}, {}, lseq_add, {})
   if top > next_seq then redis.call('HSET', K_META, 'next_seq', top) end
   if #lost > 0 then
     local was = redis.call('HGET', K_RUN, 'lost') or ''
@@ -253,6 +261,139 @@ local function claims(next, left)
   stats.sequences_lost = #lost
   stats.sequences_created = kept
   return work, next + #todo
+end
+
+-- One piece of a claim longer than a part (``p.piece``: claims = [the claim, its table
+-- and hashes from block ``p.from`` on, at most ``budget`` blocks]): its blocks are checked
+-- and taken as a claim's, into a staged record of the claimed number (state "s"); the last
+-- piece makes it the sequence. A piece that finds a block the lease cannot keep makes the
+-- claim lost and gives back what the earlier pieces took (an unhashed block to the lease's
+-- reserve, a hashed one to the evictable set). Returns the work done and the next claim.
+local function claim_piece(next)
+  local c = p.claims[1]
+  local from = tonumber(redis.call('HGET', K_RUN, 'from')) or 1
+  if p.offset ~= next or p.from ~= from or not c then return 1, next end
+  local nf = string.format('%d', c.n)
+  local rec
+  if from == 1 then
+    local next_seq = tonumber(redis.call('HGET', K_META, 'next_seq')) or 0
+    local holder, old = redis.call('HGET', K_SEQS, nf), redis.call('HGET', K_RUN, 'n' .. nf)
+    if holder or not (old or c.n > next_seq) then
+      redis.call('HSET', K_RUN, 'lost', (redis.call('HGET', K_RUN, 'lost') or '') .. nf .. ' ')
+      stats.sequences_lost = 1
+      return 1, next + 1
+    end
+    rec = {f = nf, l = lease, t = c.t, c = c.c, k = c.k, h = c.h, st = 's', pages = {}, nb = 0, add = {}}
+    redis.call('ZADD', K_LSEQ, 0, lease .. ':' .. nf)
+    if c.n > next_seq then redis.call('HSET', K_META, 'next_seq', c.n) end
+    run_set(nf, {lease = lease, left = 0, kind = 'claim'})
+    held_write(held, 0, 1)
+  else
+    rec = load_rec(nf, redis.call('HGET', K_SEQS, nf) or '')
+    if not rec or rec.st ~= 's' then return 1, next + 1 end
+  end
+  -- Who holds what now (as claims() reads it), for the piece's blocks.
+  local tab = c.tab
+  local bf = {}
+  for i, b in ipairs(tab) do bf[i] = D[b] or dec(b) end
+  local rs, hs, res = hmget_chunked(K_REF, bf), hmget_chunked(K_B2H, bf), hmget_chunked(K_RESERVE, bf)
+  local tf = {}
+  for i, f in ipairs(bf) do tf[i] = 'b' .. f end
+  local tk = hmget_chunked(K_RUN, tf)
+  local good = true
+  for i, b in ipairs(tab) do
+    local j = from + i - 1
+    if hs[i] then
+      good = j <= c.c and hs[i] == c.hs[i]           -- shared read-only, or evictable
+    else
+      good = res[i] == lease or tk[i] ~= false       -- the lease's alone
+    end
+    if not good then break end
+  end
+  if not good then
+    -- Lost: what the earlier pieces took goes back.
+    if rec.nb > 0 then
+      local blocks = rec_blocks(rec)
+      load_refs(blocks)
+      for k = #blocks, 1, -1 do decref(blocks[k]) end
+      local w = changes()
+      local zb, zf = zeroed()
+      local zh = #zf > 0 and hmget_chunked(K_B2H, zf) or {}
+      for b, r in pairs(refs) do
+        if r > 0 and r ~= orig[b] then
+          w.set_ref[#w.set_ref + 1] = D[b] or dec(b); w.set_ref[#w.set_ref + 1] = D[r] or dec(r)
+        end
+      end
+      for i, b in ipairs(zb) do
+        w.del_ref[#w.del_ref + 1] = zf[i]
+        if zh[i] then
+          park(w, zf[i], true)
+        else
+          w.reserve_add[#w.reserve_add + 1] = zf[i]; w.reserve_add[#w.reserve_add + 1] = lease
+          reserved = reserved + 1
+        end
+      end
+      write_changes(w)
+      held_write(held, #w.reserve_add / 2 - rec.nb, 0)
+    end
+    local del, del_tab = {}, {}
+    drop_record(rec, del, del_tab)
+    write_records({}, {}, del, del_tab, {}, {lease .. ':' .. nf})
+    run_end(nf)
+    held_write(held, 0, -1)
+    redis.call('HSET', K_RUN, 'lost', (redis.call('HGET', K_RUN, 'lost') or '') .. nf .. ' ')
+    redis.call('HDEL', K_RUN, 'from')
+    stats.sequences_lost = 1
+    return 1 + #tab, next + 1
+  end
+  local w = changes()
+  local took, reg = {}, {}
+  for i, b in ipairs(tab) do
+    local f = bf[i]
+    local r = tonumber(rs[i]) or 0
+    if r == 0 then
+      if hs[i] then
+        w.revive[#w.revive + 1] = f
+      elseif res[i] == lease then
+        w.unreserve[#w.unreserve + 1] = f
+        took[#took + 1] = 'b' .. f; took[#took + 1] = 1
+      end
+    end
+    w.set_ref[#w.set_ref + 1] = f; w.set_ref[#w.set_ref + 1] = D[r + 1] or dec(r + 1)
+    if from + i - 1 <= c.c and not hs[i] then reg[#reg + 1] = {c.hs[i], f} end
+  end
+  write_changes(w)
+  reserved = reserved - #w.unreserve
+  if #took > 0 then call_chunked('HSET', K_RUN, took, 2) end
+  if #reg > 0 then      -- (the commits the pool lost: registered again where the hash is free)
+    local want = {}
+    for k, x in ipairs(reg) do want[k] = x[1] end
+    local got = hmget_chunked(K_H2B, want)
+    local h2b, b2h = {}, {}
+    for k, x in ipairs(reg) do
+      if not got[k] then
+        h2b[#h2b + 1] = x[1]; h2b[#h2b + 1] = x[2]
+        b2h[#b2h + 1] = x[2]; b2h[#b2h + 1] = x[1]
+      end
+    end
+    write_hashes(h2b, b2h)
+  end
+  rec.add = tab
+  local put_tab = {}
+  rec_page_writes(rec, nil, put_tab)
+  rec.nb, rec.add = rec.nb + #tab, {}
+  held_write(held, #tab - #w.unreserve, 0)
+  if from + #tab - 1 >= p.blocks then
+    rec.st = ''
+    stats.sequences_created = 1
+    write_records({nf, meta_string(rec)}, put_tab, {}, {}, {}, {})
+    run_end(nf)
+    redis.call('HDEL', K_RUN, 'from')
+    return 1 + #tab, next + 1
+  end
+  write_records({nf, meta_string(rec)}, put_tab, {}, {}, {}, {})
+  redis.call('HSET', K_RUN, 'from', from + #tab)
+  return 1 + #tab, next
 end
 
 -- ------------------------------------------------------------------ the part
@@ -269,7 +410,7 @@ end
 if stage == 'claims' and left > 0 then
   if next < p.total then
     local _
-    _, next = claims(next, left)
+    if p.piece then _, next = claim_piece(next) else _, next = claims(next, left) end
     left = 0
   end
   if next >= p.total then stage = 'reclaim' end
@@ -286,7 +427,7 @@ if stage ~= 'finish' then
   set_lease_progress(lease, applied, reserved)
   redis.call('HSET', K_RUN, 'stage', stage, 'next', next)
   incr_stats(stats)
-  return reply({epoch = epoch, done = false, next = next})
+  return reply({epoch = epoch, done = false, next = next, from = tonumber(redis.call('HGET', K_RUN, 'from')) or 1})
 end
 set_lease_progress(lease, p.first_entry - 1, 0)
 local lost = {}

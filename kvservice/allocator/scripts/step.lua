@@ -13,7 +13,11 @@
 ---     messages: '' or the tag that the allocator checked), epoch, num_tokens (-1: the
 ---     allocator's), grow_to (0: no growth), free, num_committed_blocks (the index of the
 ---     first commit), parent_hash (hex; '' without commits), fork_grow_to = [length of
----     each child after the step], commits = [hash hex of each committed block]}],
+---     each child after the step], commits = [hash hex of each committed block], staged
+---     (the allocator's own: a staged child of a fork in parts, grown before it is made a
+---     sequence; lib/runs), graft (0, or a grow run's staged record whose blocks are the
+---     growth's new blocks, scripts/stage.lua: appended, not allocated), graft_cow (its
+---     first block is the copy-on-write destination, released if no copy is needed)}],
 ---   creates = [{epoch, num_tokens, root_hash (hex), block_hashes = [hex per full block]}]
 --- Returns msgpack {epoch, updates = [{num_tokens, num_committed_blocks, last_hash,
 ---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
@@ -22,11 +26,13 @@
 ---   block_table, cow = [src, dst] (a child's)}; or an error (lib/codec): NOT_FOUND,
 ---   INVALID_ARGUMENT, FAILED_PRECONDITION, PERMISSION_DENIED, RESOURCE_EXHAUSTED
 ---   {needed, available} (and {reason QUOTA_EXCEEDED, quota, limit} past a quota), and the
----   internal STALE_EPOCH {epoch} and LEASE_UNKNOWN.
+---   internal STALE_EPOCH {epoch}, LEASE_UNKNOWN and TOO_BIG {frees = [[update index,
+---   blocks]], forks = [[update index, parent's blocks]], grows = [[update index, new
+---   blocks, 1 if its last block is partial (a copy may be needed) else 0]]} (more than
+---   one call's work: nothing is read beyond the records).
 --- @include "lib/time"
 --- @include "lib/request"
---- @include "lib/refs"
---- @include "lib/held"
+--- @include "lib/runs"
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
@@ -61,6 +67,42 @@ local function check_pool_and_lease()
   return epoch, num_blocks, bs, attach
 end
 
+-- Refuses (internal TOO_BIG) a step whose work exceeds one call's bounds, before any table
+-- is read: the blocks its frees release, the references its forks add, the new blocks
+-- its growth, its children's and its creates take (each growth counted with a copy).
+-- The allocator then carries the step out in parts (kvservice/allocator/runs.py): its
+-- reply lists each free {index, blocks}, fork {index, parent's blocks} and growth
+-- {index, new blocks}.
+local function check_size(recs, bs)
+  local frees, forks, grows = {}, {}, {}
+  local released, fork_refs, new = 0, 0, 0
+  for i, u in ipairs(ups) do
+    local rec = recs[i]
+    local t = math.max(u.num_tokens, rec.t)
+    if u.free then
+      released = released + rec.nb
+      frees[#frees + 1] = {i, rec.nb}
+    end
+    if #u.fork_grow_to > 0 then
+      fork_refs = fork_refs + #u.fork_grow_to * rec.nb
+      forks[#forks + 1] = {i, rec.nb}
+      for _, g in ipairs(u.fork_grow_to) do
+        if g > t then new = new + math.max(0, math.ceil(g / bs) - rec.nb) + ((t % bs ~= 0) and 1 or 0) end
+      end
+    end
+    if u.grow_to > t and not (u.graft and u.graft > 0) then   -- (a grafted growth's blocks are staged)
+      local more, partial = math.max(0, math.ceil(u.grow_to / bs) - rec.nb), (t % bs ~= 0) and 1 or 0
+      new = new + more + partial
+      grows[#grows + 1] = {i, more, partial}
+    end
+  end
+  for _, c in ipairs(creates) do new = new + math.ceil(c.num_tokens / bs) end
+  if released > p.max_release or fork_refs > p.max_fork_refs or new > p.max_blocks then
+    bad('TOO_BIG', 'the step takes more than one call: ' .. released .. ' blocks released, ' .. fork_refs ..
+      ' references forked, ' .. new .. ' new blocks', {frees = frees, forks = forks, grows = grows})
+  end
+end
+
 -- Loads every named sequence (owned by the lease) and the reference counts the plan
 -- reads: every block of freed and forked sequences, the last block of the others.
 local function load_sequences(bs)
@@ -69,10 +111,10 @@ local function load_sequences(bs)
   local fields = {}
   for i, u in ipairs(ups) do fields[i] = u.field end
   local metas = hmget_chunked(K_SEQS, fields)
-  local tabs = hmget_chunked(K_TABS, fields)
   for i, u in ipairs(ups) do
-    if not metas[i] then bad('NOT_FOUND', 'sequence ' .. sid_of(u) .. ' not found') end
-    local rec = load_rec(metas[i], tabs[i])
+    local rec = metas[i] and load_rec(u.field, metas[i])
+    -- (a staged child is named only by the allocator, which grows it within a step in parts)
+    if not rec or rec.st ~= (u.staged and 's' or '') then bad('NOT_FOUND', 'sequence ' .. sid_of(u) .. ' not found') end
     if rec.l ~= lease then bad('PERMISSION_DENIED', 'sequence ' .. sid_of(u) .. ' belongs to another lease') end
     if u.num_tokens < 0 then u.num_tokens = rec.t end
     if u.num_tokens < rec.t then
@@ -85,10 +127,13 @@ local function load_sequences(bs)
     end
     recs[i] = rec
   end
+  check_size(recs, bs)
+  load_last_pages(recs)
   local want = {}
   for i, u in ipairs(ups) do
     local rec = recs[i]
     if u.free or #u.fork_grow_to > 0 then
+      load_all_pages(rec)
       rec.blocks = rec_blocks(rec)
       for _, b in ipairs(rec.blocks) do want[#want + 1] = b end
       if rec.nb > 0 then rec.lastb = rec.blocks[rec.nb] end
@@ -195,11 +240,6 @@ local function free_sequences(recs)
       if #u.fork_grow_to > 0 or u.grow_to > 0 then
         bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ' cannot be freed and forked or grown in one step')
       end
-      released = released + rec_len(recs[i])
-      if released > p.max_release then
-        bad('INVALID_ARGUMENT', 'the step\'s frees would release more than ' .. p.max_release ..
-          ' blocks (free the sequences over several calls)')
-      end
       freed[i] = true
     end
   end
@@ -213,25 +253,55 @@ end
 -- millions of blocks (and hold Redis for seconds) before the limit is seen.
 local function need_blocks(n)
   if nplace + n > p.max_blocks then
-    bad('INVALID_ARGUMENT', 'the step needs at least ' .. (nplace + n) .. ' new blocks; at most ' ..
-      p.max_blocks .. ' per call')
+    bad('TOO_BIG', 'the step needs at least ' .. (nplace + n) .. ' new blocks; at most ' .. p.max_blocks ..
+      ' per call', {frees = {}, forks = {}, grows = {}})
   end
 end
 
 -- Grows rec to g tokens: new blocks, and copy-on-write of a shared partial last block.
 -- Returns the copy pair {src, dst placeholder} or nil.
 local copies = {}
-local function grow(rec, g, bs)
+local grafts = {}
+local function grow(rec, g, bs, graft, graft_cow)
   if g <= rec.t then return nil end
   local nb = rec_len(rec)
   local last
   if nb == rec.nb and rec.lastb and not rec.cowlast then last = rec.lastb else last = rec_block(rec, nb) end
   local shared_tail = rec.t % bs ~= 0 and refs[last] > 1
   local more = math.ceil(g / bs) - nb
-  need_blocks(more + (shared_tail and 1 or 0))
+  local dst = nil
+  if graft and graft > 0 then
+    -- The growth's blocks were staged by a grow run (scripts/stage.lua): its table is
+    -- appended; with graft_cow its first block is the copy-on-write destination of a
+    -- partial last block, or, when no copy is needed after all, released.
+    local f = string.format('%d', graft)
+    local meta = redis.call('HGET', K_SEQS, f)
+    local x = meta and load_rec(f, meta)
+    local run = x and run_get(f)
+    local extra = graft_cow and 1 or 0
+    if not x or x.st ~= 's' or x.l ~= rec.l or not run or run.kind ~= 'grow' or x.nb ~= more + extra
+        or (shared_tail and not graft_cow) then
+      bad('INVALID_ARGUMENT', 'staged blocks ' .. f .. ' do not fit the growth of sequence ' .. rec.f)
+    end
+    load_all_pages(x)
+    local parts = {}
+    for k = 0, (x.nb > 0 and page_of(x.nb) or -1) do parts[#parts + 1] = x.pages[k] end
+    local hex = table.concat(parts)
+    if graft_cow then
+      local first = tonumber(string.sub(hex, 1, W), 16)
+      hex = string.sub(hex, W + 1)
+      load_refs({first})
+      if shared_tail then dst = first else decref(first) end
+      rec.graft_released = not shared_tail
+    end
+    rec.graft_hex, rec.graft_n, rec.graft_cow = hex, more, graft_cow
+    grafts[#grafts + 1] = x
+    more = 0
+  end
+  need_blocks(more + ((shared_tail and not dst) and 1 or 0))
   local cow = nil
   if shared_tail then
-    local dst = placeholder()
+    dst = dst or placeholder()
     refs[last] = refs[last] - 1
     rec.cowlast = dst
     cow = {last, dst}
@@ -249,23 +319,13 @@ end
 -- bounded (p.max_fork_refs): counted before any is planned, so a refused call costs little.
 local function fork_sequences(recs, bs)
   local kids = {}
-  local fork_refs = 0
-  for i, u in ipairs(ups) do
-    if #u.fork_grow_to > 0 then
-      fork_refs = fork_refs + #u.fork_grow_to * #recs[i].blocks
-      if fork_refs > p.max_fork_refs then
-        bad('INVALID_ARGUMENT', 'the step\'s forks would add more than ' .. p.max_fork_refs ..
-          ' block references (each child holds its parent\'s blocks)')
-      end
-    end
-  end
   for i, u in ipairs(ups) do
     if #u.fork_grow_to > 0 then
       local rec = recs[i]
       kids[i] = {}
       for _, g in ipairs(u.fork_grow_to) do
-        local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, tab = rec.tab, nb = rec.nb, add = {},
-                       lastb = rec.lastb}
+        local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, st = '', pages = rec.pages, nb = rec.nb,
+                       add = {}, lastb = rec.lastb, new = true}
         for _, b in ipairs(rec.blocks) do refs[b] = refs[b] + 1 end
         if g > 0 and g < rec.t then
           bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': fork_grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
@@ -287,7 +347,7 @@ local function grow_sequences(recs, bs)
     if g > 0 and g < rec.t then
       bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
     end
-    if g > rec.t then cows[i] = grow(rec, g, bs) end
+    if g > rec.t then cows[i] = grow(rec, g, bs, u.graft, u.graft_cow) end
   end
   return cows
 end
@@ -298,7 +358,8 @@ local function create_sequences(bs, known, stats)
   for _, c in ipairs(creates) do
     local hs = c.block_hashes
     local max_hit = math.floor((c.num_tokens - 1) / bs)
-    local rec = {l = lease, t = c.num_tokens, c = #hs, h = c.root_hash, k = 0, tab = '', nb = 0, add = {}}
+    local rec = {l = lease, t = c.num_tokens, c = #hs, h = c.root_hash, k = 0, st = '', pages = {}, nb = 0, add = {},
+                 new = true}
     if #hs > 0 then rec.h = hs[#hs] end
     local hits = {}
     for i = 1, math.min(max_hit, #hs) do
@@ -336,7 +397,12 @@ local function holdings_delta(recs, kids, made, freed)
     for _, child in ipairs(kids[i] or {}) do db = db + rec_len(child); ds = ds + 1 end
   end
   for _, rec in ipairs(made) do db = db + rec_len(rec); ds = ds + 1 end
-  return db, ds
+  -- (grafted blocks were counted with their staged record, which counted as a sequence;
+  -- a graft's copy-on-write block replaces a reference, or is released)
+  for i in ipairs(ups) do
+    if recs[i].graft_cow then db = db - 1 end
+  end
+  return db, ds - #grafts
 end
 
 local stats = {prefix_queried_tokens = 0, prefix_hit_tokens = 0}
@@ -403,15 +469,16 @@ end
 local function store_new(rec)
   next_n = next_n + 1
   local field = string.format('%d', next_n)
+  rec.f = field
   put_meta[#put_meta + 1] = field; put_meta[#put_meta + 1] = meta_string(rec)
-  put_tab[#put_tab + 1] = field; put_tab[#put_tab + 1] = rec_tab(rec, map)
+  rec_page_writes(rec, map, put_tab)
   lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. field
   return {sequence = next_n, num_tokens = rec.t, num_committed_blocks = rec.c, num_cached_tokens = rec.k,
           last_hash = rec.h, block_table = rec_table(rec, map), cow = resolved(rec.cow)}
 end
 
 local out_updates = {}
-local del, lseq_del = {}, {}
+local del, del_tab, lseq_del = {}, {}, {}
 for i, u in ipairs(ups) do
   local rec = plan.recs[i]
   local children = {}
@@ -419,13 +486,11 @@ for i, u in ipairs(ups) do
   local out = {num_tokens = rec.t, num_committed_blocks = rec.c, last_hash = rec.h, children = children,
                freed = plan.freed[i] == true}
   if out.freed then
-    del[#del + 1] = u.field
+    drop_record(rec, del, del_tab)
     lseq_del[#lseq_del + 1] = lease .. ':' .. u.field
   else
     put_meta[#put_meta + 1] = u.field; put_meta[#put_meta + 1] = meta_string(rec)
-    if #rec.add > 0 or rec.cowlast then
-      put_tab[#put_tab + 1] = u.field; put_tab[#put_tab + 1] = rec_tab(rec, map)
-    end
+    rec_page_writes(rec, map, put_tab)
     out.new_blocks = rec_added(rec, map)
     out.cow = resolved(plan.cows[i])
   end
@@ -433,13 +498,19 @@ for i, u in ipairs(ups) do
 end
 local out_made = {}
 for _, rec in ipairs(plan.made) do out_made[#out_made + 1] = store_new(rec) end
-write_records(put_meta, put_tab, del, lseq_add, lseq_del)
+local nfreed = #del
+for _, x in ipairs(grafts) do
+  drop_record(x, del, del_tab)
+  lseq_del[#lseq_del + 1] = lease .. ':' .. x.f
+  run_end(x.f)
+end
+write_records(put_meta, put_tab, del, del_tab, lseq_add, lseq_del)
 held_write(plan.held, plan.db, plan.ds)
 if plan.attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
 local out_copies = {}
 for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end
 stats.sequences_created = nkids + nmade
-stats.sequences_freed = #del
+stats.sequences_freed = nfreed
 changed()
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, updates = out_updates, created = out_made,

@@ -20,6 +20,10 @@
 ---            evictable set (hashed) or the free list.
 --- Every entry first sets the sequence's length to num_tokens (never below the recorded
 --- one, never beyond its table; not into a shared partial block: copy first).
+--- A FORK or FREE of a sequence longer than one call takes is sent alone with ``part``
+--- and applied in parts of ``budget`` blocks (lib/runs: the child is staged meanwhile,
+--- the freed sequence in state "f"); it counts as applied with its last part, and the
+--- reply's ``applied`` says when (a resend continues where the parts stopped).
 ---
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
@@ -36,8 +40,11 @@
 ---   want_sequence_numbers, need (blocks wanted in reserve at once, even beyond the cap;
 ---   max_need of them per call at most),
 ---   max_fork_refs (the block references the batch's forks may add at most), max_refill
----   (the most blocks a refill towards the reserve's size grants in one call)}
---- Returns msgpack {epoch, applied (the last entry applied), granted = [blocks added to
+---   (the most blocks a refill towards the reserve's size grants in one call), part (the
+---   journal is one long FORK or FREE, applied in part: nothing else is done), budget
+---   (the blocks of such a part)}
+--- Returns msgpack {epoch, applied (the last entry applied; a part: stuck, when a gap keeps it
+---   from applying its entry), granted = [blocks added to
 ---   the reserve], num_reserved (the lease's reserve after the call), cap (the cap now:
 ---   the lease returns any surplus), first_sequence_number, num_sequence_numbers, quota (''
 ---   or the quota, 'blocks' or 'sequences', that kept the grant below what the step needs
@@ -46,9 +53,7 @@
 ---   that does not fit the state: nothing applied), FAILED_PRECONDITION (reasons
 ---   EPOCH_CHANGED, LEASE_EXPIRED), and the internal LEASE_UNKNOWN.
 --- @include "lib/request"
---- @include "lib/refs"
---- @include "lib/reserve"
---- @include "lib/held"
+--- @include "lib/runs"
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
@@ -86,7 +91,7 @@ local function rec_of(n)
   if rec == false or gone[f] then refuse('sequence ' .. f .. ' not found') end
   if rec == nil then
     rec = stored[f]
-    if not rec then recs[f] = false; refuse('sequence ' .. f .. ' not found') end
+    if not rec or rec.st ~= '' then recs[f] = false; refuse('sequence ' .. f .. ' not found') end
     if rec.l ~= lease then refuse('sequence ' .. f .. ' belongs to another lease') end
     recs[f] = rec
   end
@@ -234,8 +239,8 @@ local function apply_entry(e, bs)
     local blocks = rec_blocks(rec)
     load_refs(blocks)
     for _, b in ipairs(blocks) do refs[b] = refs[b] + 1 end
-    recs[cf] = {l = lease, t = rec.t, c = rec.c, h = rec.h, k = rec.k, tab = rec_tab(rec, {}), nb = rec_len(rec),
-                add = {}, lastb = false}
+    recs[cf] = {f = cf, l = lease, t = rec.t, c = rec.c, h = rec.h, k = rec.k, st = '', pages = {}, nb = 0,
+                add = blocks, lastb = false, new = true}
     born[cf] = true
     stats.sequences_created = stats.sequences_created + 1
   elseif kind == FREE then
@@ -284,23 +289,131 @@ local function write_journal()
     end
   end
   write_changes(w)
-  local put_meta, put_tab, lseq_add, del, lseq_del = {}, {}, {}, {}, {}
+  local put_meta, put_tab, lseq_add, del, del_tab, lseq_del = {}, {}, {}, {}, {}, {}
   for f, rec in pairs(recs) do
     if rec then
       if gone[f] then
         if not born[f] then
-          del[#del + 1] = f
+          drop_record(rec, del, del_tab)
           lseq_del[#lseq_del + 1] = lease .. ':' .. f
         end
       else
         put_meta[#put_meta + 1] = f; put_meta[#put_meta + 1] = meta_string(rec)
-        put_tab[#put_tab + 1] = f; put_tab[#put_tab + 1] = rec_tab(rec, {})
+        rec_page_writes(rec, {}, put_tab)
         if born[f] then lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. f end
       end
     end
   end
-  write_records(put_meta, put_tab, del, lseq_add, lseq_del)
+  write_records(put_meta, put_tab, del, del_tab, lseq_add, lseq_del)
 end
+
+-- ------------------------------------------------------------------ a long entry, in parts
+
+-- One part of a FORK or FREE entry too long for one call (p.part: the journal holds that
+-- entry alone; lib/runs): a fork's child is staged and gets the next blocks of its
+-- parent's table, a free releases the sequence's last blocks; the entry counts as applied
+-- with its last part. A resend continues where the parts stopped.
+local function entry_part()
+  local ok2, got = guarded(function()
+    local epoch, num_blocks, bs, attach = check_sync_target(p)
+    local applied = lease_progress(lease)
+    local J = p.journal
+    local out = {epoch = epoch, applied = applied, granted = {}, cap = p.cap, first_sequence_number = 0,
+                 num_sequence_numbers = 0, quota = '', quota_limit = 0}
+    if J.n ~= 1 or p.first_entry ~= applied + 1 then     -- (applied already, or a gap)
+      out.stuck = p.first_entry > applied + 1
+      return out
+    end
+    entry_no = applied + 1
+    local e = entry_views(J, 1)[1]
+    local f = field_of(e.sequence)
+    local meta = redis.call('HGET', K_SEQS, f)
+    local rec = meta and load_rec(f, meta)
+    if not rec then refuse('sequence ' .. f .. ' not found') end
+    if rec.l ~= lease then refuse('sequence ' .. f .. ' belongs to another lease') end
+    return {out = out, e = e, rec = rec, num_blocks = num_blocks, bs = bs, attach = attach}
+  end)
+  if not ok2 then return got end
+  if got.e == nil then
+    local _, reserved = lease_progress(lease)
+    got.num_reserved = reserved
+    return reply(got)
+  end
+  local e, rec, out, bs = got.e, got.rec, got.out, got.bs
+  if got.attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
+  local complete = false
+  if e.kind == FREE then
+    local ok3, err = guarded(function()
+      if rec.st == '' then set_length(rec, e.num_tokens, bs)
+      elseif rec.st ~= 'f' then refuse('sequence ' .. rec.f .. ' not found') end
+    end)
+    if not ok3 then return err end
+    begin_free(rec, stats)
+    local _, gone = release_tail(rec, p.budget, got.num_blocks, bs, true)
+    complete = gone
+  elseif e.kind == FORK then
+    local cf = field_of(e.child)
+    local ok3, child = guarded(function()
+      if rec.st ~= '' then refuse('sequence ' .. rec.f .. ' not found') end
+      local cmeta = redis.call('HGET', K_SEQS, cf)
+      local c = cmeta and load_rec(cf, cmeta)
+      if c then
+        local run = run_get(cf)
+        if c.st ~= 's' or not run or run.kind ~= 'fork' or run.parent ~= rec.f or c.l ~= lease then
+          refuse('sequence ' .. cf .. ' exists already')
+        end
+        return {rec = c, run = run}
+      end
+      set_length(rec, e.num_tokens, bs)
+      if e.child < 1 or e.child > (tonumber(redis.call('HGET', K_META, 'next_seq')) or 0) then
+        refuse('sequence number ' .. cf .. ' was never granted')
+      end
+      c = {f = cf, l = lease, t = rec.t, c = rec.c, h = rec.h, k = rec.k, st = 's', pages = {}, nb = 0, add = {}}
+      return {rec = c, run = {lease = lease, left = 0, kind = 'fork', parent = rec.f, pnb = rec.nb}, new = true}
+    end)
+    if not ok3 then return child end
+    if child.new then
+      redis.call('HSET', K_SEQS, rec.f, meta_string(rec))     -- (its length, as the entry says)
+      redis.call('ZADD', K_LSEQ, 0, lease .. ':' .. cf)
+    end
+    local c, run = child.rec, child.run
+    local upto = math.min(run.pnb, c.nb + p.budget)
+    local blocks = rec_blocks(rec, c.nb + 1, upto)
+    load_refs(blocks)
+    for _, b in ipairs(blocks) do refs[b] = refs[b] + 1 end
+    apply(got.num_blocks, {}, stats, nil)
+    c.add = blocks
+    local put_tab = {}
+    rec_page_writes(c, {}, put_tab)
+    c.nb, c.add = c.nb + #blocks, {}
+    held_write(held_load(lease, p.tenant), #blocks, 0)
+    if c.nb >= run.pnb then
+      c.st = ''
+      run_end(cf, run)
+      stats.sequences_created = 1
+      complete = true
+    else
+      run_set(cf, run)
+    end
+    write_records({cf, meta_string(c)}, put_tab, {}, {}, {}, {})
+  else
+    return error_reply({code = 'INVALID_ARGUMENT', message = 'journal entry ' .. entry_no .. ': only a FORK or a ' ..
+      'FREE is applied in parts'})
+  end
+  local applied, reserved = lease_progress(lease)
+  if complete then
+    applied = applied + 1
+    set_lease_progress(lease, applied, reserved)
+    stats.journal_entries = 1
+  end
+  stats.journal_batches = 1
+  changed()
+  incr_stats(stats)
+  out.applied, out.num_reserved = applied, reserved
+  return reply(out)
+end
+
+if p.part then return entry_part() end
 
 -- ------------------------------------------------------------------ plan, then write
 
@@ -342,14 +455,14 @@ local ok, plan = guarded(function()
       if not seen[f] then seen[f] = true; fields[#fields + 1] = f end
       for _, h in ipairs(e.commits) do hashes[#hashes + 1] = h end
     end
-    local metas, tabs = hmget_chunked(K_SEQS, fields), hmget_chunked(K_TABS, fields)
+    local metas = hmget_chunked(K_SEQS, fields)
     local lasts = {}
     for i, f in ipairs(fields) do
-      if metas[i] then
-        local rec = load_rec(metas[i], tabs[i])
-        stored[f] = rec
-        if rec.nb > 0 and rec.l == lease then lasts[#lasts + 1] = rec_block(rec, rec.nb) end
-      end
+      if metas[i] then stored[f] = load_rec(f, metas[i]) end
+    end
+    load_last_pages(stored)
+    for _, rec in pairs(stored) do
+      if rec.nb > 0 and rec.l == lease then lasts[#lasts + 1] = rec_block(rec, rec.nb) end
     end
     load_refs(lasts)   -- the last blocks: whether a write must copy them first
     if #hashes > 0 then
@@ -426,7 +539,8 @@ local quota_cut, quota_limit = '', 0
 local available = available_now(plan.num_blocks)
 local cap = p.cap
 if available < p.pressure_blocks then cap = math.min(cap, p.pressure_cap) end
-local unused = redis.call('LLEN', K_FREE) + plan.num_blocks - (tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0)
+local unused = math.min(available, redis.call('LLEN', K_FREE) + plan.num_blocks -
+                                  (tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0))
 local need = math.max(math.min(unused, p.max_refill, math.max(0, math.min(p.want, cap) - plan.kept)),
                       math.min(available, p.max_need, math.max(0, p.need - plan.kept)))
 local room = held_room(held, 'blocks', p.quota, held_blocks)

@@ -51,10 +51,12 @@ local function extend_lease(lease, left_ms, now)
   redis.call('ZADD', K_LEASES, 'GT', now + left_ms, lease)
 end
 
--- Blocks the pool could give now: free, never used, and evictable.
+-- Blocks the pool could give now: free, never used, and evictable, less those admitted
+-- to runs and not taken yet (lib/runs: they are the runs' already).
 local function available_now(num_blocks)
-  local fresh = tonumber(redis.call('HGET', K_STATE, 'fresh')) or 0
-  return redis.call('LLEN', K_FREE) + (num_blocks - fresh) + redis.call('ZCARD', K_EVICT)
+  local st = redis.call('HMGET', K_STATE, 'fresh', 'admitted')
+  local fresh, admitted = tonumber(st[1]) or 0, tonumber(st[2]) or 0
+  return redis.call('LLEN', K_FREE) + (num_blocks - fresh) + redis.call('ZCARD', K_EVICT) - admitted
 end
 
 -- Every script that changes the pool's state raises its change counter, so that a reader

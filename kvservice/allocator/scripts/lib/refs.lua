@@ -152,17 +152,22 @@ local function evict(n, dups, moved, stats)
   return victims
 end
 
--- Writes sequence records: field/value pairs of records and tables to set, fields to
--- delete, lease-index members ("<lease>:<n>") to add (score 0) and to remove.
-local function write_records(put_meta, put_tab, del, lseq_add, lseq_del)
+-- Writes sequence records: field/value pairs of records and of table pages to set, record
+-- fields and page fields to delete, lease-index members ("<lease>:<n>") to add (score 0)
+-- and to remove.
+local function write_records(put_meta, put_tab, del, del_tab, lseq_add, lseq_del)
   if #put_meta > 0 then call_chunked('HSET', K_SEQS, put_meta, 2) end
   if #put_tab > 0 then call_chunked('HSET', K_TABS, put_tab, 2) end
-  if #del > 0 then
-    call_chunked('HDEL', K_SEQS, del)
-    call_chunked('HDEL', K_TABS, del)
-  end
+  if #del > 0 then call_chunked('HDEL', K_SEQS, del) end
+  if #del_tab > 0 then call_chunked('HDEL', K_TABS, del_tab) end
   if #lseq_add > 0 then call_chunked('ZADD', K_LSEQ, lseq_add, 2) end
   if #lseq_del > 0 then call_chunked('ZREM', K_LSEQ, lseq_del) end
+end
+
+-- Appends to del / del_tab the record's field and its table's pages (a record deleted).
+local function drop_record(rec, del, del_tab)
+  del[#del + 1] = rec.f
+  for _, pf in ipairs(page_fields(rec.f, rec.nb)) do del_tab[#del_tab + 1] = pf end
 end
 
 -- Takes n blocks for the caller: the free list first, then never-used blocks, then LRU
