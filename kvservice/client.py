@@ -141,7 +141,9 @@ class Client(StepBatches, LocalSteps):
              forks: Mapping[Sequence, list[list[int]]] | None = None,
              frees: Iterable[Sequence] = (),
              creates: Iterable[tuple[list[int], str, bytes] | list[int]] = ()) -> StepResult:
-        """One engine step over many sequences: at most one RPC.
+        """One engine step over many sequences: at most one RPC (one per 128 items for a
+        step with more: ``kvservice.batches``; an operation of any size the pool holds,
+        which the allocator carries out in bounded calls).
 
         Args:
             appends: tokens to append to each sequence.
@@ -161,7 +163,11 @@ class Client(StepBatches, LocalSteps):
                 creates are made first and the frees applied next, whatever becomes of
                 the rest (the blocks they release serve the step): a refused create
                 changes nothing else; appends and forks refused after them leave the
-                created sequences in ``result``.
+                created sequences in ``result``. In remote mode a step larger than one
+                script call applies its commits and frees first too (they stay applied
+                when the rest is refused); a step of more items than one request sends
+                its requests in order, and a refused one leaves those before it applied
+                (in ``result``).
             kvservice.errors.KvsError: any other refusal, with the same guarantee.
         """
         forks = dict(forks) if forks else {}

@@ -51,6 +51,20 @@ def test_bench_remote_measures_the_step_path():
     assert fig["audit_ok"] is True
 
 
+def test_bench_long_reports_the_long_sequence_figures():
+    proc = subprocess.run([sys.executable, "-m", "kvservice", "bench", "--long", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fig = json.loads(proc.stdout)
+    for key in ("append_us_per_token_1k", "append_us_per_token_128k", "create_1m_ms", "create_cached_1m_ms",
+                "local_append_us_per_token_1k", "local_append_us_per_token_128k", "fork_1m_ms", "free_1m_ms"):
+        assert isinstance(fig[key], (int, float)) and fig[key] > 0, f"{key} = {fig.get(key)!r}"
+    assert fig["create_cached_1m_hit_tokens"] == (1 << 20) - 16     # (every block but the last)
+    assert set(fig["targets"]) == {"append_us_per_token_128k", "local_append_us_per_token_128k"}
+    assert fig["targets"]["append_us_per_token_128k"]["limit"] == 1.2 * fig["append_us_per_token_1k"]
+    assert fig["audit_ok"] is True
+
+
 def test_bench_target_needs_redis_url():
     proc = subprocess.run([sys.executable, "-m", "kvservice", "bench", "--target", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)

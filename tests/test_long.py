@@ -247,3 +247,22 @@ def test_two_creates_racing_for_room_for_one_never_both_fail(small, local):
             for c in (a, b):
                 c.flush()
             assert audit(small.redis_url) == []
+
+
+def test_one_step_with_4096_appends_1024_frees_and_512_forks(redis_url, local):
+    """One ``Client.step`` with more items than one request carries (128) and more children
+    than one request forks (128): the SDK sends it in several, and every change is made."""
+    with ServerThread(redis_url, TEST_SETTINGS) as server, Client(server.target, tenant="t1", local=local) as c:
+        c.register_pool("many", num_blocks=20_000, block_size=4)
+        seqs = c.step(creates=[[i % 1000, 7] for i in range(4096 + 1024 + 512)]).created
+        grow, gone, parents = seqs[:4096], seqs[4096:5120], seqs[5120:]
+        res = c.step({s: [1, 2, 3] for s in grow}, frees=gone, forks={p: [[9]] for p in parents})
+        assert all(s.num_tokens == 5 and len(s.block_table) == 2 for s in grow)
+        assert all(s.freed for s in gone)
+        kids = [k for p in parents for k in res.children[p.id]]
+        assert len(kids) == 512 and all(k.num_tokens == 3 for k in kids)
+        c.flush()
+        stats = c.pool_stats("many")
+        assert stats.num_sequences == 4096 + 512 + 512
+        assert all(c.get(s.id).num_tokens == 5 for s in grow[::512])
+        assert audit(redis_url) == []

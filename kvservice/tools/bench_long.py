@@ -112,6 +112,7 @@ def measure_long(target: str, cpu: Any, progress: Any, tenant: str) -> dict[str,
         local = _appends(client, pool, rng, cpu, progress)
         fig.update(local_append_us_per_token_1k=local["short"], local_append_us_per_token_128k=local["long"])
         fig["audit_ok"] = fig["audit_ok"] and bool(client.audit(pool).ok)
+    fig = {k: round(v, 2) if isinstance(v, float) else v for k, v in fig.items()}
     targets = {}
     for name, (base, factor) in LONG_TARGETS.items():
         limit = factor * fig[base]
