@@ -210,7 +210,7 @@ class RunOps:
 
         ups = [payload for _, _, payload in items["updates"]]
         if details is None:
-            details = await self._measure(pool_id, items, lease_id, tenant, lease_left, sub)
+            details = await self._measure(pool_id, items, lease_id, tenant, lease_left)
         free_blocks = {i - 1: nb for i, nb in details["frees"]}
         fork_blocks = {i - 1: nb for i, nb in details["forks"]}
         grows = {g[0] - 1: (g[1], g[2]) for g in details["grows"]}     # index -> (new blocks, partial last)
@@ -221,73 +221,9 @@ class RunOps:
         create_blocks = sum(-(-(len(data) // 4) // geo.block_size) for _, _, data in items["creates"])
         stage_creates = create_blocks > s.max_blocks_per_call
 
-        # 1. Lengths, commits and frees, applied whatever becomes of the rest: the commits
-        #    and the lengths of forks' parents first (one call applies them before its
-        #    forks: a staged child copies its parent's length), in calls of at most
-        #    max_blocks_per_call commits and max_release_per_call released blocks (a long
-        #    list of commits in several), one update of a sequence a call.
         # Growth the pool cannot hold is refused first, before anything is applied.
-        least = sum(more for more, _ in grows.values())
-        if least > s.max_blocks_per_call:
-            _, _, available = await self._probe_prefix(pool_id, epoch, [])
-            if least > available:
-                raise errors.ResourceExhausted(f"pool {pool_id}: needed {least} blocks, {available} available",
-                                               needed=least, available=available, pool_id=pool_id)
-        replies: dict[int, dict[str, Any]] = {}
-        parts: list[tuple[int, int, dict[str, Any], int | None]] = []   # (commits, released, payload, index)
-        m = s.max_blocks_per_call
-        for i, u in enumerate(ups):
-            commits = u["commits"]
-            short_free = u["free"] and i not in long_frees
-            if not (commits or u["free"] or u["fork_grow_to"]):
-                continue           # (its length goes with the rest: only a fork's parent needs it first)
-            chunks = [commits[k:k + m] for k in range(0, len(commits), m)] or [[]]
-            for k, chunk in enumerate(chunks):
-                last = k == len(chunks) - 1
-                part = {**u, "free": False, "grow_to": 0, "fork_grow_to": [], "commits": chunk,
-                        "num_committed_blocks": u["num_committed_blocks"] + k * m if chunk else 0,
-                        "parent_hash": (commits[k * m - 1] if k else u["parent_hash"]) if chunk else ""}
-                if last and short_free and len(chunks) == 1:
-                    parts.append((len(chunk), free_blocks.get(i, 0), {**part, "free": True}, i))
-                else:
-                    parts.append((len(chunk), 0, part, i if last and not short_free else None))
-            if short_free and len(chunks) > 1:
-                parts.append((0, free_blocks.get(i, 0), {**u, "commits": [], "num_committed_blocks": 0,
-                                                          "parent_hash": ""}, i))
-        calls: list[list[tuple[dict[str, Any], int | None]]] = [[]]
-        counts = [0, 0]
-        for ncommits, released, payload, index in parts:
-            here = {p["sequence"] for p, _ in calls[-1]}
-            if calls[-1] and (counts[0] + ncommits > m or counts[1] + released > s.max_release_per_call
-                              or payload["sequence"] in here):
-                calls.append([])
-                counts = [0, 0]
-            calls[-1].append((payload, index))
-            counts[0] += ncommits
-            counts[1] += released
-        try:
-            for k, call in enumerate(calls):
-                if not call:
-                    continue
-                reply = await self._step_call(pool_id, [p for p, _ in call], [], lease_id, tenant, lease_left,
-                                              *sub(f"a{k}"))
-                for (_, i), d in zip(call, reply["updates"]):
-                    if i is not None:
-                        replies[i] = d
-            for i in sorted(long_frees):
-                got = await self._free_in_parts(pool_id, lease_id, tenant, ups[i]["sequence"])
-                d = dict(replies.get(i, {}))
-                d.update(freed=True, children=[])
-                if got is not None and "num_tokens" not in d:
-                    d.update(num_tokens=got["num_tokens"], num_committed_blocks=got["num_committed_blocks"],
-                             last_hash=got["last_hash"])
-                replies[i] = d
-        except errors.KvsError as exc:
-            exc.applied = {i: d for i, d in replies.items() if not ups[i]["free"] or d.get("freed")}
-            raise
-        for i, u in enumerate(ups):
-            if u["free"]:
-                replies[i]["freed"] = True
+        await self._check_room(pool_id, epoch, sum(more for more, _ in grows.values()))
+        replies = await self._first_part(pool_id, ups, free_blocks, long_frees, lease_id, tenant, lease_left, sub)
 
         # 2. Large forks and creates, staged and held.
         staged: list[tuple[int, str, str]] = []      # (run sequence, run id, fingerprint)
@@ -346,11 +282,7 @@ class RunOps:
             if needed > room:
                 # (growth larger than one call: its blocks, a copy-on-write destination first
                 # where one may be needed, staged as grow runs and grafted)
-                _, _, available = await self._probe_prefix(pool_id, epoch, [])
-                least = sum(more for more, _ in growth)
-                if least > available:
-                    raise errors.ResourceExhausted(f"pool {pool_id}: needed {least} blocks, {available} available",
-                                                   needed=least, available=available, pool_id=pool_id)
+                await self._check_room(pool_id, epoch, sum(more for more, _ in growth), always=True)
                 for k, (u, (more, partial)) in enumerate(zip(rest, growth)):
                     if more + partial:
                         run_id, print_ = sub(f"g{k}")
@@ -399,8 +331,87 @@ class RunOps:
             await self.store.remember(pool_id, request_id, digest, out, self._request_ttl_ms())
         return out
 
-    async def _measure(self, pool_id: str, items: dict[str, list], lease_id: str, tenant: str, lease_left: int,
-                       sub: Any) -> dict[str, Any]:
+    async def _check_room(self, pool_id: str, epoch: int, least: int, *, always: bool = False) -> None:
+        """RESOURCE_EXHAUSTED when a step in parts needs more new blocks than the pool has
+        (read only when they are more than one call takes, or ``always``), before any of
+        them is staged."""
+        if always or least > self.settings.max_blocks_per_call:
+            _, _, available = await self._probe_prefix(pool_id, epoch, [])
+            if least > available:
+                raise errors.ResourceExhausted(f"pool {pool_id}: needed {least} blocks, {available} available",
+                                               needed=least, available=available, pool_id=pool_id)
+
+    async def _first_part(self, pool_id: str, ups: list[dict[str, Any]], free_blocks: dict[int, int],
+                          long_frees: set[int], lease_id: str, tenant: str, lease_left: int,
+                          sub: Any) -> dict[int, dict[str, Any]]:
+        """Step 1 of a step in parts: the commits, the lengths of forks' parents (one call
+        applies them before its forks: a staged child copies its parent's length) and the
+        frees, applied whatever becomes of the rest, in calls of at most
+        max_blocks_per_call commits and max_release_per_call released blocks (a long list of
+        commits in several; a long free in parts), one update of a sequence a call. Returns
+        each such update's delta by its index; refused, the error's ``applied`` holds those
+        applied before."""
+        s = self.settings
+        replies: dict[int, dict[str, Any]] = {}
+        parts: list[tuple[int, int, dict[str, Any], int | None]] = []   # (commits, released, payload, index)
+        m = s.max_blocks_per_call
+        for i, u in enumerate(ups):
+            commits = u["commits"]
+            short_free = u["free"] and i not in long_frees
+            if not (commits or u["free"] or u["fork_grow_to"]):
+                continue           # (its length goes with the rest: only a fork's parent needs it first)
+            chunks = [commits[k:k + m] for k in range(0, len(commits), m)] or [[]]
+            for k, chunk in enumerate(chunks):
+                last = k == len(chunks) - 1
+                part = {**u, "free": False, "grow_to": 0, "fork_grow_to": [], "commits": chunk,
+                        "num_committed_blocks": u["num_committed_blocks"] + k * m if chunk else 0,
+                        "parent_hash": (commits[k * m - 1] if k else u["parent_hash"]) if chunk else ""}
+                if last and short_free and len(chunks) == 1:
+                    parts.append((len(chunk), free_blocks.get(i, 0), {**part, "free": True}, i))
+                else:
+                    parts.append((len(chunk), 0, part, i if last and not short_free else None))
+            if short_free and len(chunks) > 1:
+                parts.append((0, free_blocks.get(i, 0), {**u, "commits": [], "num_committed_blocks": 0,
+                                                          "parent_hash": ""}, i))
+        calls: list[list[tuple[dict[str, Any], int | None]]] = [[]]
+        counts = [0, 0]
+        for ncommits, released, payload, index in parts:
+            here = {p["sequence"] for p, _ in calls[-1]}
+            if calls[-1] and (counts[0] + ncommits > m or counts[1] + released > s.max_release_per_call
+                              or payload["sequence"] in here):
+                calls.append([])
+                counts = [0, 0]
+            calls[-1].append((payload, index))
+            counts[0] += ncommits
+            counts[1] += released
+        try:
+            for k, call in enumerate(calls):
+                if not call:
+                    continue
+                reply = await self._step_call(pool_id, [p for p, _ in call], [], lease_id, tenant, lease_left,
+                                              *sub(f"a{k}"))
+                for (_, i), d in zip(call, reply["updates"]):
+                    if i is not None:
+                        replies[i] = d
+            for i in sorted(long_frees):
+                got = await self._free_in_parts(pool_id, lease_id, tenant, ups[i]["sequence"])
+                d = dict(replies.get(i, {}))
+                d.update(freed=True, children=[])
+                if got is not None and "num_tokens" not in d:
+                    d.update(num_tokens=got["num_tokens"], num_committed_blocks=got["num_committed_blocks"],
+                             last_hash=got["last_hash"])
+                replies[i] = d
+        except errors.KvsError as exc:
+            exc.applied = {i: d for i, d in replies.items() if not ups[i]["free"] or d.get("freed")}
+            raise
+        for i, u in enumerate(ups):
+            if u["free"]:
+                replies[i]["freed"] = True
+        return replies
+
+
+    async def _measure(self, pool_id: str, items: dict[str, list], lease_id: str,
+                       tenant: str, lease_left: int) -> dict[str, Any]:
         """The sizes of a step's frees, forks and growth (a step whose creates alone were
         too big for one call): the step script's TOO_BIG answer to the updates alone, or
         none when they fit."""

@@ -194,10 +194,7 @@ if run.kind == 'fork' then
         bad('FAILED_PRECONDITION', 'sequence ' .. p.pool .. '/' .. run.parent .. ' was freed or changed while ' ..
           'it was being forked')
       end
-      local upto = math.min(run.pnb, rec.nb + p.budget)
-      local blocks = rec_blocks(parent, rec.nb + 1, upto)
-      load_refs(blocks)
-      for _, b in ipairs(blocks) do refs[b] = refs[b] + 1 end
+      local blocks = plan_copy(rec, parent, run.pnb, p.budget)
       held_check(held, #blocks, 0, p.quota, p.pool)
       return blocks
     end
@@ -206,12 +203,8 @@ if run.kind == 'fork' then
   if not ok2 then return err end
   local blocks = err
   if #blocks > 0 then
-    apply(num_blocks, {}, stats, nil)
-    rec.add = blocks
-    store({})
-    rec.nb, rec.add = rec.nb + #blocks, {}
+    write_copy(rec, blocks, num_blocks, stats, held)
     run_set(rec.f, run)
-    held_write(held, #blocks, 0)
   end
   local out = reply_of(rec, epoch, {blocks = blocks})
   if rec.nb >= run.pnb then

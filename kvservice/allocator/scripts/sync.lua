@@ -377,25 +377,16 @@ local function entry_part()
       redis.call('ZADD', K_LSEQ, 0, lease .. ':' .. cf)
     end
     local c, run = child.rec, child.run
-    local upto = math.min(run.pnb, c.nb + p.budget)
-    local blocks = rec_blocks(rec, c.nb + 1, upto)
-    load_refs(blocks)
-    for _, b in ipairs(blocks) do refs[b] = refs[b] + 1 end
-    apply(got.num_blocks, {}, stats, nil)
-    c.add = blocks
-    local put_tab = {}
-    rec_page_writes(c, {}, put_tab)
-    c.nb, c.add = c.nb + #blocks, {}
-    held_write(held_load(lease, p.tenant), #blocks, 0)
-    if c.nb >= run.pnb then
+    local blocks = plan_copy(c, rec, run.pnb, p.budget)
+    complete = c.nb + #blocks >= run.pnb
+    if complete then
       c.st = ''
       run_end(cf, run)
       stats.sequences_created = 1
-      complete = true
     else
       run_set(cf, run)
     end
-    write_records({cf, meta_string(c)}, put_tab, {}, {}, {}, {})
+    write_copy(c, blocks, got.num_blocks, stats, held_load(lease, p.tenant))
   else
     return error_reply({code = 'INVALID_ARGUMENT', message = 'journal entry ' .. entry_no .. ': only a FORK or a ' ..
       'FREE is applied in parts'})

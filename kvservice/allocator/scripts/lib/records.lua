@@ -68,12 +68,15 @@ local function load_last_pages(recs)
   for i, x in ipairs(which) do x[1].pages[x[2]] = got[i] or '' end
 end
 
--- Loads every stored page of a record (one call).
+-- Loads every stored page of a record not loaded yet (one call).
 local function load_all_pages(rec)
-  local fields = page_fields(rec.f, rec.nb)
+  local fields, which = {}, {}
+  for k, f in ipairs(page_fields(rec.f, rec.nb)) do
+    if rec.pages[k - 1] == nil then fields[#fields + 1] = f; which[#which + 1] = k - 1 end
+  end
   if #fields == 0 then return end
   local got = hmget_chunked(K_TABS, fields)
-  for k = 1, #fields do rec.pages[k - 1] = got[k] or '' end
+  for i, k in ipairs(which) do rec.pages[k] = got[i] or '' end
 end
 
 local function meta_string(rec)

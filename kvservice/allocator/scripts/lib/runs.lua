@@ -116,6 +116,28 @@ local function release_tail(rec, budget, num_blocks, bs, to_reserve)
   return m, false
 end
 
+-- The next part of a fork's copy: the parent's blocks child.nb + 1 .. min(pnb, child.nb +
+-- budget), each planned ref + 1 in the overlay (nothing written). Returns them.
+local function plan_copy(child, parent, pnb, budget)
+  local blocks = rec_blocks(parent, child.nb + 1, math.min(pnb, child.nb + budget))
+  load_refs(blocks)
+  for _, b in ipairs(blocks) do refs[b] = refs[b] + 1 end
+  return blocks
+end
+
+-- Writes a planned copy: the overlay, the blocks appended to the child's pages, its meta
+-- (as the child is now), and its lease's holdings.
+local function write_copy(child, blocks, num_blocks, stats, held)
+  apply(num_blocks, {}, stats, nil)
+  child.add = blocks
+  local put_tab = {}
+  rec_page_writes(child, {}, put_tab)
+  local nb = child.nb + #blocks
+  write_records({child.f, meta_string(child)}, put_tab, {}, {}, {}, {})
+  child.nb, child.add = nb, {}
+  held_write(held, #blocks, 0)
+end
+
 -- Starts freeing a live or staged record: its state becomes "f" (a staged create's: "d"),
 -- its run ends, it leaves the live count and its lease's sequences. (Writes the meta.)
 local function begin_free(rec, stats)
