@@ -38,11 +38,13 @@ from kvservice import errors
 from kvservice.channel import open_channel
 from kvservice.common.geometry import Geometry
 from kvservice.common.security import ClientCredentials
+from kvservice.doubts import Doubt, Doubts, step_key
 from kvservice.journal import PoolJournal
 from kvservice.local import LocalSteps
 from kvservice.batches import StepBatches
+from kvservice.resyncs import RESYNC_ATTEMPTS, Resyncs
 from kvservice.rpc import RESENT, fence_seconds, new_request_id, to_domain_error
-from kvservice.sequence import CopyPair, Sequence, StepResult
+from kvservice.sequence import CopyPair, Sequence, StepResult, freed_error
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -52,7 +54,7 @@ __all__ = ["Client", "CopyPair", "Sequence", "StepResult", "to_domain_error"]
 
 
 
-class Client(StepBatches, LocalSteps):
+class Client(StepBatches, LocalSteps, Doubts, Resyncs):
     """A connection to the allocator with one lease, kept alive in the background.
 
     Args:
@@ -73,8 +75,8 @@ class Client(StepBatches, LocalSteps):
         timeout: per-RPC deadline in seconds.
         keepalive: run the keep-alive thread (every ``lease_ttl / 3`` seconds).
         retry_budget: seconds a call keeps being resent while no replica answers it (the
-            retry policy's backoffs add up to this; the ``timeout`` bounds it too): more
-            than a replica's restart.
+            retry policy's backoffs add up to this) or its deadline runs out (a replica or a
+            Redis that hangs): more than a replica's restart or a Redis stall.
     """
 
     def __init__(self, target: str | list[str], *, tenant: str = "", lease_ttl: float = 10.0,
@@ -83,6 +85,7 @@ class Client(StepBatches, LocalSteps):
                  credentials: ClientCredentials | None = None) -> None:
         self.target = target
         self.timeout = timeout
+        self.retry_budget = retry_budget
         creds = credentials or ClientCredentials.from_env()
         if token is not None:
             creds = dataclasses.replace(creds, token=token)
@@ -101,14 +104,17 @@ class Client(StepBatches, LocalSteps):
         self.sync_count = 0         # Syncs sent by the flusher thread
         self.journal_error: errors.KvsError | None = None
         self._journals: dict[str, PoolJournal] = {}
-        self._live: set[Sequence] = set()      # (local) the sequences not freed
-        self._lost: list[Sequence] = []         # (local) lost in resyncs, not yet taken
+        self._live: set[Sequence] = set()      # the sequences not freed
+        self._lost: list[Sequence] = []         # lost in resyncs, not yet taken
+        #: Per pool: its generation as last heard (``kvservice.resyncs``), and its epoch.
+        self._generations: dict[str, int] = {}
+        self._epochs: dict[str, int] = {}
         self._resyncing = False                 # (local) a pool must resync first
+        self._pending_fast: tuple[dict, dict] | None = None   # (local) a step's fast appends, undoable
         self._sent_at = 0.0                     # (local) when the last Sync went out
         self._unanswered: tuple[pb.SyncRequest, list[PoolJournal]] | None = None   # (local) to send again
-        #: Creates whose reply never came: sent again (same request id) until answered,
-        #: then their sequences freed: the caller was told they failed.
-        self._doubtful: list[pb.StepRequest] = []
+        #: Steps whose answer never came, by what they ask (``kvservice.doubts``).
+        self._doubts: dict[bytes, Doubt] = {}
         self._doubt_lock = threading.Lock()
         self.resync_count = 0
         self._lock = threading.RLock()
@@ -191,10 +197,48 @@ class Client(StepBatches, LocalSteps):
     def _step_remote(self, appends: dict, forks: dict, frees: list, creates: list,
                      sync: tuple[pb.SyncRequest, list[PoolJournal], float] | None = None) -> StepResult:
         """A step whose ownership changes go to the allocator in one Step RPC; ``sync``:
-        (local mode) a Sync it carries, applied first, and its journals and send time."""
+        (local mode) a Sync it carries, applied first, and its journals and send time. A
+        pool that refuses its part for its generation (its state may have rolled back) is
+        resynchronised and that part sent again (``_after_rollback``)."""
+        try:
+            return self._step_once(appends, forks, frees, creates, sync)
+        except errors.RolledBack as exc:
+            return self._after_rollback(exc)
+
+    def _after_rollback(self, exc: errors.RolledBack) -> StepResult:
+        """A step refused by a pool for its generation: the pool is resynchronised, then what
+        the step asked of the refused pools is sent again (what the others applied is kept:
+        ``exc.result``). A sequence of the step that the resync lost makes the step raise
+        SequenceLost when nothing else of it was applied (the caller plans it again), and is
+        left out of it otherwise (``lost_sequences()`` lists it)."""
+        done = exc.result if isinstance(exc.result, StepResult) else StepResult()
+        for _ in range(RESYNC_ATTEMPTS):
+            self._resync_pools([exc.pool_id] if exc.pool_id else list(self._generations))
+            appends, forks, frees, creates = exc.retry
+            lost = [s for s in (*appends, *forks, *frees) if s.lost]
+            if lost:
+                if not (done.copies or done.created or done.children):
+                    raise freed_error(lost[0])
+                appends = {s: t for s, t in appends.items() if not s.lost}
+                forks = {s: k for s, k in forks.items() if not s.lost}
+                frees = [s for s in frees if not s.lost]
+            try:
+                return _merged(done, self._step_once(appends, forks, frees, creates))
+            except errors.RolledBack as again:
+                exc, done = again, _merged(done, again.result)
+            except errors.KvsError as other:
+                other.result = _merged(done, other.result)
+                raise
+        raise exc
+
+    def _step_once(self, appends: dict, forks: dict, frees: list, creates: list,
+                   sync: tuple[pb.SyncRequest, list[PoolJournal], float] | None = None) -> StepResult:
+        """``_step_remote``'s one attempt. Refused (RolledBack) by some pool, the error's
+        ``retry`` holds what the step asked of the refused pools, and ``result`` what the
+        others applied."""
         self._check_alive()
-        if self._doubtful and not self.local and self._keeper is None:
-            self._settle()       # (no keep-alive thread to do it)
+        if self._doubts and not self.local and self._keeper is None:
+            self._settle_doubts(background=True)     # (no keep-alive thread to do it)
         # Plan without building anything for the (many) sequences that stay local: this
         # loop runs over every sequence of every decode step (see docs/benchmark.md). It
         # also checks the appends; nothing is changed until the whole step is planned.
@@ -208,7 +252,7 @@ class Client(StepBatches, LocalSteps):
             if s.__class__ is not Sequence and not isinstance(s, Sequence) or s.client is not self:
                 raise ValueError(f"{s!r} is not a sequence of this client")
             if s.freed:
-                raise ValueError(f"sequence {s.id} was freed")
+                raise freed_error(s)
             if tokens:
                 for t in tokens:
                     if t.__class__ is not int and (not isinstance(t, int) or isinstance(t, bool)):
@@ -228,13 +272,16 @@ class Client(StepBatches, LocalSteps):
             order.append(s)
         result = StepResult()
         if not order and not creates:
+            if self._doubts:
+                self._settle_doubts()
+                for s in appends:
+                    if s.lost:
+                        raise freed_error(s)
             for s, tokens in appends.items():
                 s._tail.extend(tokens)
                 s._num_tokens += len(tokens)
             return result
-        request = pb.StepRequest(lease_id=self.lease_id, request_id=new_request_id())
-        if sync is not None:
-            request.sync.CopyFrom(sync[0])
+        request = pb.StepRequest(lease_id=self.lease_id)
         for s in order:
             added = len(appends.get(s, ()))
             request.updates.add(
@@ -249,16 +296,29 @@ class Client(StepBatches, LocalSteps):
             order.append(s)
             request.updates.add(sequence_id=s.id, num_tokens=s._num_tokens,
                                 parent_hash=s._last_hash, commits=s._pending_commits())
+        # The generation of every pool the step may touch (a create without a pool may land
+        # in any pool this client holds something in).
+        gens = self._generations
+        named = {s.pool for s in order} | {pool for _, pool, _ in creates if pool}
+        for pool in (gens if any(not pool for _, pool, _ in creates) else named):
+            if gens.get(pool):
+                request.generations[pool] = gens[pool]
+        key = step_key(request)
+        request.request_id = self._request_id_for(key) if self._doubts else new_request_id()
+        for s in order:
+            if s.lost:
+                raise freed_error(s)      # (lost in the resync that settled a step in doubt)
+        if sync is not None:
+            request.sync.CopyFrom(sync[0])
         result.rpc = True
         try:
             response = self._call(self.stub.Step, request)
             failed: set[str] = set()
         except errors.KvsError as exc:
-            if isinstance(exc, (errors.Unavailable, errors.DeadlineExceeded)) and request.creates \
-                    and not request.updates:
-                with self._doubt_lock:     # made or not: settled later (no orphan either way)
-                    self._doubtful.append(request)
+            if isinstance(exc, (errors.Unavailable, errors.DeadlineExceeded)):
+                self._doubt(key, request)      # (made or not: retried or settled later)
             if exc.partial is None:
+                exc.retry = (appends, forks, frees, creates)
                 raise
             response = exc.partial
             # A pool failed if any of its items has no result: another pool's refusal (its
@@ -271,6 +331,11 @@ class Client(StepBatches, LocalSteps):
             failed |= set(response.failed_pools)
             self._apply(response, order, appends, forks, frees, creates, failed, result, local)
             exc.result = result  # the applied pools' copies, children and creates
+            made = list(response.created) + [pb.Sequence()] * (len(creates) - len(response.created))
+            exc.retry = ({s: t for s, t in appends.items() if s.pool in failed and not s.freed},
+                         {s: k for s, k in forks.items() if s.pool in failed},
+                         [s for s in frees if s.pool in failed and not s.freed],
+                         [c for c, state in zip(creates, made) if not state.sequence_id])
             raise
         if sync is not None:
             self._synced(response.sync, sync[1], sync[2])
@@ -281,12 +346,17 @@ class Client(StepBatches, LocalSteps):
                frees: list, creates: list, failed: set[str], result: StepResult,
                local: list[tuple[Sequence, list[int]]] | None = None) -> None:
         """Applies a step's response; ``local``: the appends that took no part in the RPC
-        (default: every append whose sequence is not in ``order``)."""
+        (default: every append whose sequence is not in ``order``). In remote mode the
+        client's own record of its live sequences (for a resync) follows."""
+        remote = not self.local
+        self._heard(response.generations.items())
         for s, d in zip(order, response.updates):
             if not d.sequence_id:
                 continue
             if d.freed:
                 s.freed = True
+                if remote:
+                    self._live.discard(s)
                 continue
             s._apply_commits(d.num_committed_blocks, d.last_hash)
             if s.pool in failed:
@@ -297,6 +367,9 @@ class Client(StepBatches, LocalSteps):
                 tail = s._tail[: s._num_tokens - s._committed * bs] + list(tokens)
                 child = Sequence(self, child_state, tail, private=bool(tokens))
                 child.num_cached_tokens = s.num_cached_tokens
+                if remote:
+                    child._hashes = None if s._hashes is None else s._hashes[:child._committed]
+                    self._live.add(child)
                 kids.append(child)
             if kids:
                 result.children[s.id] = kids
@@ -321,7 +394,12 @@ class Client(StepBatches, LocalSteps):
         for state, (tokens, _, _) in zip(response.created, creates):
             if state.sequence_id:
                 c = state.num_committed_blocks * state.block_size
-                result.created.append(Sequence(self, state, list(tokens[c:]), private=True))
+                seq = Sequence(self, state, list(tokens[c:]), private=True)
+                self._epochs[seq.pool] = seq.epoch
+                if remote:
+                    seq._hashes = list(state.block_hashes)
+                    self._live.add(seq)
+                result.created.append(seq)
         result.copies.extend(CopyPair(c.pool_id, c.src, c.dst) for c in response.copies)
 
     # ------------------------------------------------------------ local ownership (``local``)
@@ -339,7 +417,7 @@ class Client(StepBatches, LocalSteps):
 
     def get(self, sequence_id: str) -> pb.Sequence:
         """The allocator's view of a sequence."""
-        return self._call(self.stub.GetSequence, pb.GetSequenceRequest(sequence_id=sequence_id))
+        return self._call(self.stub.GetSequence, pb.GetSequenceRequest(sequence_id=sequence_id), idempotent=True)
 
     # ------------------------------------------------------------ pools and admin
 
@@ -355,41 +433,46 @@ class Client(StepBatches, LocalSteps):
         out: list[pb.Pool] = []
         token = ""
         while True:
-            reply = self._call(self.stub.ListPools, pb.ListPoolsRequest(page_size=1000, page_token=token))
+            reply = self._call(self.stub.ListPools, pb.ListPoolsRequest(page_size=1000, page_token=token),
+                               idempotent=True)
             out.extend(reply.pools)
             token = reply.next_page_token
             if not token:
                 return out
 
     def pool_stats(self, pool_id: str) -> pb.PoolStats:
-        return self._call(self.stub.GetPoolStats, pb.GetPoolStatsRequest(pool_id=pool_id))
+        return self._call(self.stub.GetPoolStats, pb.GetPoolStatsRequest(pool_id=pool_id), idempotent=True)
 
     def audit(self, pool_id: str = "") -> pb.AuditResponse:
-        return self._call(self.stub.Audit, pb.AuditRequest(pool_id=pool_id))
+        return self._call(self.stub.Audit, pb.AuditRequest(pool_id=pool_id), idempotent=True)
 
     # ------------------------------------------------------------ plumbing
 
-    def _call(self, method, request, *, retries: int = 1):
+    def _call(self, method, request, *, idempotent: bool = False):
         """One RPC with this client's deadline.
 
         The channel's retry policy resends it on UNAVAILABLE, to any replica that is up,
         for ``retry_budget`` seconds (``kvservice.channel``). What that policy cannot do
-        is done here: a call that ran out of its deadline (a replica that hangs, stopped
-        or cut off, rather than one that is down: gRPC's deadline covers all attempts), or
-        that a replica cancelled as it shut down, is sent again, unchanged, up to
-        ``retries`` times, if its ``request_id`` makes a second delivery harmless;
-        round_robin sends it to the next replica.
+        is done here: a call that ran out of its deadline (a replica or a Redis that
+        hangs, or a stall, rather than one that is down: gRPC's deadline covers all
+        attempts), or that a replica cancelled as it shut down, is sent again, unchanged,
+        while the retry budget lasts (once at least), if a second delivery is harmless: it
+        has a ``request_id``, or it is ``idempotent`` (a read); round_robin sends it to the
+        next replica.
         """
         self.rpc_count += 1
-        for attempt in range(retries + 1):
+        again = idempotent or bool(getattr(request, "request_id", ""))
+        start = time.monotonic()
+        attempt = 0
+        while True:
             try:
                 return method(request, timeout=self.timeout)
             except grpc.RpcError as exc:
-                if (exc.code() in RESENT and attempt < retries
-                        and getattr(request, "request_id", None)):
-                    continue
-                raise to_domain_error(exc) from None
-        raise AssertionError("unreachable")
+                if not (again and exc.code() in RESENT) or (attempt and time.monotonic() - start > self.retry_budget):
+                    raise to_domain_error(exc) from None
+                attempt += 1
+                if exc.code() == grpc.StatusCode.CANCELLED:
+                    time.sleep(min(0.05 * attempt, 0.5))     # (a replica shutting down: the next one)
 
     def _keep_alive(self) -> None:
         """A KeepAlive every TTL / 3 (``keepalive`` without ``local``: in local mode the
@@ -418,40 +501,8 @@ class Client(StepBatches, LocalSteps):
             self.keep_alive_error = None
             self._alive_until = max(self._alive_until, sent_at + fence_seconds(ttl))
             wait = interval
-            if self._doubtful:
-                self._settle()
-
-    def _settle(self) -> None:
-        """Creates whose reply was lost past the retry policy: each is sent again under its
-        request id (the allocator answers a repeat with its first outcome, or makes it now)
-        and the sequences it made are freed, so that none is left behind unknown to us."""
-        with self._doubt_lock:
-            doubtful, self._doubtful = self._doubtful, []
-        keep = []
-        for request in doubtful:
-            request.ClearField("sync")    # (a Sync it carried is settled on its own: _unanswered)
-            try:
-                reply = self.stub.Step(request, timeout=self.timeout)
-            except grpc.RpcError as exc:
-                err = to_domain_error(exc)
-                if isinstance(err, (errors.Unavailable, errors.DeadlineExceeded)):
-                    keep.append(request)
-                elif err.partial is not None:
-                    self._free_made(err.partial.created)
-                continue
-            self._free_made(reply.created)
-        if keep:
-            with self._doubt_lock:
-                self._doubtful[:0] = keep
-
-    def _free_made(self, created: Iterable[pb.Sequence]) -> None:
-        ids = [c.sequence_id for c in created if c.sequence_id]
-        if ids:
-            try:
-                self.stub.FreeSequences(pb.FreeSequencesRequest(lease_id=self.lease_id, request_id=new_request_id(),
-                                                                sequence_ids=ids), timeout=self.timeout)
-            except grpc.RpcError:
-                pass     # (the lease's end frees them)
+            if self._doubts:
+                self._settle_doubts(background=True)
 
     def close(self, *, revoke: bool = True) -> None:
         """Stops the keep-alive and, with ``revoke``, frees every sequence of this client."""
@@ -466,7 +517,8 @@ class Client(StepBatches, LocalSteps):
         try:
             if revoke:
                 try:
-                    self._call(self.stub.RevokeLease, pb.RevokeLeaseRequest(lease_id=self.lease_id), retries=1)
+                    self._call(self.stub.RevokeLease, pb.RevokeLeaseRequest(lease_id=self.lease_id),
+                               idempotent=True)
                 except (errors.NotFound, errors.FailedPrecondition):
                     pass  # the lease is gone already, and its sequences with it
         finally:
@@ -500,3 +552,13 @@ def _check_step(client: Client, appends: dict, forks: dict, frees: list) -> None
         for t in (t for tokens in children for t in tokens):
             if not isinstance(t, int) or isinstance(t, bool):
                 raise TypeError(f"token ids must be int, got {t!r} for a child of sequence {s.id}")
+
+
+def _merged(a: StepResult, b: object) -> StepResult:
+    """Two parts of one step's result, in order (``b`` may be an error's missing result)."""
+    if not isinstance(b, StepResult):
+        return a
+    children = dict(a.children)
+    for parent, kids in b.children.items():
+        children[parent] = children.get(parent, []) + kids
+    return StepResult(a.copies + b.copies, a.created + b.created, children, a.rpc or b.rpc)

@@ -18,6 +18,8 @@ FAILED_PRECONDITION    FAILED_PRECONDITION  a call out of order (e.g. an append 
                                             shared block without a step)
 LEASE_EXPIRED          FAILED_PRECONDITION  the lease expired or was revoked
 EPOCH_CHANGED          FAILED_PRECONDITION  the pool was re-registered since (new epoch)
+ROLLED_BACK            FAILED_PRECONDITION  the pool's generation is not the caller's: its
+                                            state may have rolled back (resync first)
 PERMISSION_DENIED      PERMISSION_DENIED    a sequence of another lease; a lease of another
                                             tenant; a call the caller's role may not make
 UNAUTHENTICATED        UNAUTHENTICATED      no credentials, or credentials the server does not
@@ -94,6 +96,25 @@ class LeaseExpired(FailedPrecondition):
     reason = "LEASE_EXPIRED"
 
 
+class RolledBack(FailedPrecondition):
+    """The pool's generation is not the one the caller sent: the Redis serving it restarted
+    or failed over since, so its state may have rolled back. Nothing was changed; the
+    caller resynchronises its state in the pool first (the SDK does it by itself).
+
+    Attributes:
+        pool_id: the pool ("" when unknown).
+        generation: the pool's generation now (0 when unknown).
+    """
+
+    reason = "ROLLED_BACK"
+
+    def __init__(self, message: str, *, pool_id: str = "", generation: int = 0, partial: object | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message, partial=partial, reason=reason)
+        self.pool_id = pool_id
+        self.generation = generation
+
+
 class PermissionDenied(KvsError):
     """A sequence named under a lease that does not own it, a lease of another tenant, or
     a call that the caller's role may not make (docs/security.md)."""
@@ -164,5 +185,5 @@ BY_CODE_NAME: dict[str, type[KvsError]] = {
 BY_STATUS: dict[grpc.StatusCode, type[KvsError]] = {cls.code: cls for cls in BY_CODE_NAME.values()}
 
 #: Every ErrorInfo reason the service sends (documented in docs/allocator.md).
-REASONS = ("NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "LEASE_EXPIRED", "EPOCH_CHANGED",
+REASONS = ("NOT_FOUND", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "LEASE_EXPIRED", "EPOCH_CHANGED", "ROLLED_BACK",
            "PERMISSION_DENIED", "UNAUTHENTICATED", "BLOCKS_EXHAUSTED", "QUOTA_EXCEEDED", "RESYNC_IN_PROGRESS", "RESYNC_SUPERSEDED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL")

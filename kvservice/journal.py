@@ -69,6 +69,7 @@ class PoolJournal:
         self.resyncing = False
         self.resync_from = 0        # the first entry number after the resync in flight
         self.resync_drops = 0       # pending entries its snapshot includes
+        self.resync_lengths: dict[int, int] = {}   # the length its snapshot claimed, per sequence
         self.kinds: list[int] = []
         self.sequences: list[int] = []
         self.num_tokens: list[int] = []
@@ -231,12 +232,15 @@ class PoolJournal:
 
     def synced(self, reply: pb.PoolReserve) -> None:
         """Applies a Sync's reply for this pool (a resync's: ``resynced``)."""
+        if reply.rolled_back:
+            # The pool's generation is not ours (its Redis restarted or failed over): nothing
+            # was applied, and its state may have rolled back: the next Sync resyncs.
+            self.roll_back()
+            return
         if reply.applied_entries < self.applied and not reply.resynced:
             # The pool lost entries it had acknowledged (Redis lost writes): what it
             # granted or took back since is unknown; the next Sync sends the whole state.
-            self.resyncing = True
-            self.reserve.extend(self.returning)
-            self.returning = []
+            self.roll_back()
             self.reserve.extend(reply.granted_blocks)
             self.cap = reply.reserve_cap
             return
@@ -252,6 +256,16 @@ class PoolJournal:
         first = reply.first_sequence_number
         self.numbers.extend(range(first, first + reply.num_sequence_numbers))
         self.quota = (reply.quota, reply.quota_limit)
+
+    def roll_back(self) -> None:
+        """The pool may have lost what it acknowledged: no change here until a resync (the
+        blocks on their way back are counted as ours again: the resync claims the tables,
+        and the reserve goes back whole)."""
+        if self.resyncing:
+            return
+        self.resyncing = True
+        self.reserve.extend(self.returning)
+        self.returning = []
 
     def sync_failed(self) -> None:
         """A Sync that did not go through: the returned blocks are still ours."""

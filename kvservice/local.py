@@ -19,6 +19,7 @@ import grpc
 from kvservice import errors
 from kvservice.common import hashing
 from kvservice.journal import COPY, FORK, FREE, GROW, PoolJournal
+from kvservice.resyncs import RESYNC_ATTEMPTS, claim
 from kvservice.rpc import fence_seconds, new_request_id, to_domain_error
 from kvservice.sequence import CopyPair, Sequence, StepResult, freed_error
 from kvservice.v1 import allocator_pb2 as pb
@@ -53,6 +54,9 @@ class LocalSteps:
             with self._lock:
                 slow = self._append_fast(appends) if appends else {}
         if slow or forks or frees:
+            # (until the step is done, its fast appends may still be undone: a resync's
+            # snapshot taken meanwhile claims the lengths before them, ``_claims``)
+            self._pending_fast = (appends, slow) if slow is not appends else None
             try:
                 self._step_journaled(slow, forks, frees, result)
             except BaseException as exc:
@@ -62,6 +66,8 @@ class LocalSteps:
                 if created is not None and isinstance(exc, errors.KvsError):
                     exc.result = StepResult(copies=list(created.copies), created=created.created, rpc=True)
                 raise
+            finally:
+                self._pending_fast = None
         if created is not None:
             result.created = created.created
             result.copies.extend(created.copies)
@@ -104,16 +110,19 @@ class LocalSteps:
         (the journal's other changes cannot add a hit: it travels on its own then). Until
         its answer comes, that Sync is the one to send again (``_unanswered``): if the call
         fails, it may have been applied."""
-        with self._sync_lock:
-            if self._unanswered is not None or self._resyncing or not any(
-                    any(j.num_commits) for j in self._journals.values()):
-                sync = None        # (no commit to carry, or a Sync to settle first: the flusher's)
-            else:
-                request, journals = self._build_sync()
-                self._unanswered = (request, journals)
-                sync = (request, journals, time.monotonic())
-                self._sent_at = sync[2]
-            return self._step_remote({}, {}, [], creates, sync=sync)
+        try:
+            with self._sync_lock:
+                if self._unanswered is not None or self._resyncing or not any(
+                        any(j.num_commits) for j in self._journals.values()):
+                    sync = None        # (no commit to carry, or a Sync to settle first: the flusher's)
+                else:
+                    request, journals = self._build_sync()
+                    self._unanswered = (request, journals)
+                    sync = (request, journals, time.monotonic())
+                    self._sent_at = sync[2]
+                return self._step_once({}, {}, [], creates, sync=sync)
+        except errors.RolledBack as exc:
+            return self._after_rollback(exc)      # (its resync takes the Sync lock)
 
     def _adopt(self, created: list["Sequence"]) -> None:
         """New sequences join the local state (their pools' journals)."""
@@ -179,27 +188,51 @@ class LocalSteps:
 
     def _step_journaled(self, appends: dict, forks: dict, frees: list, result: StepResult) -> None:
         """The step's frees, forks and appends that change ownership: checked, covered by
-        the reserves (a synchronous Sync when they are not), then applied and journaled."""
+        the reserves (a synchronous Sync when they are not), then applied and journaled.
+        NOTE: nothing is journaled for a pool while it resyncs (the resync's snapshot is the
+        state; an entry logged after it could name a sequence the resync loses): a step
+        that finds a resync begun since it started waits for it, then goes on."""
         self._check_local(appends, forks, frees)
         if frees:
             # First, and whatever becomes of the rest: the blocks they release serve the
             # step (partial ones back in the reserve; the others once the Sync that covers
             # the step has applied the frees).
-            with self._lock:
-                for s in frees:
-                    self._free_local(s)
-        self._ensure_reserves(appends, forks)
-        try:
-            with self._lock:
-                self._apply_local(appends, forks, result)
-        finally:
-            for pj in self._journals.values():
-                pj.floor = 0
+            for _ in range(RESYNC_ATTEMPTS):
+                with self._lock:
+                    if not self._resyncing_in(frees):
+                        for s in frees:
+                            if not s.freed:       # (lost in a resync meanwhile: gone already)
+                                self._free_local(s)
+                        break
+                self._sync_once()
+        changing = (*appends, *forks)
+        for _ in range(RESYNC_ATTEMPTS):
+            self._ensure_reserves(appends, forks)
+            try:
+                with self._lock:
+                    if not self._resyncing_in(changing):
+                        for s in changing:
+                            if s.freed:     # (lost in a resync since the step was checked)
+                                raise freed_error(s)
+                        self._apply_local(appends, forks, result)
+                        break
+            finally:
+                for pj in self._journals.values():
+                    pj.floor = 0
+            self._sync_once()
+            self._check_local(appends, forks, [])     # (SequenceLost: lost in that resync)
+        else:
+            raise errors.Unavailable("the pools of the step were resynchronising throughout")
         # Send now, unless a Sync went out less than flush_interval ago: the step is done,
         # and an engine is about to wait for its forward pass (a Sync sent then does not
         # compete with the next step for the interpreter).
         if time.monotonic() - self._sent_at >= self.flush_interval:
             self._wake.set()
+
+    def _resyncing_in(self, sequences) -> bool:
+        """Whether a pool of ``sequences`` is resynchronising (under the lock)."""
+        journals = self._journals
+        return any(journals[s.pool].resyncing for s in sequences if s.pool in journals)
 
     def _apply_local(self, appends: dict, forks: dict, result: StepResult) -> None:
         """The step's forks and appends, covered by the reserves (under the lock)."""
@@ -347,10 +380,10 @@ class LocalSteps:
 
     def flush(self) -> None:
         """A barrier: returns once the allocator has applied every local change made so
-        far (and the lease was kept alive), and the creates whose reply was lost are
-        settled (their sequences freed) if the allocator can be reached."""
-        if self._doubtful:
-            self._settle()
+        far (and the lease was kept alive), and the steps whose answer was lost are
+        settled (``kvservice.doubts``) if the allocator can be reached."""
+        if self._doubts:
+            self._settle_doubts()
         if not self.local:
             return
         with self._lock:
@@ -390,10 +423,12 @@ class LocalSteps:
                     parts.append(pj.resync_request(self._claims(pj)))
                     continue
                 part = pj.sync_request()
+                part["generation"] = self._generations.get(pj.pool_id, 0)
                 if short and pj.pool_id in short:
                     blocks, numbers = short[pj.pool_id]
                     part["need_blocks"] = blocks
-                    part["want_sequence_numbers"] = max(part["want_sequence_numbers"], numbers + pj.NUMBERS)
+                    if numbers > len(pj.numbers):
+                        part["want_sequence_numbers"] = max(part["want_sequence_numbers"], numbers + pj.NUMBERS)
                 parts.append(part)
         # (built outside the lock: copying the entries into the message takes a while)
         for part in parts:
@@ -448,33 +483,40 @@ class LocalSteps:
                     self._resynced(pj, ack)
                 else:
                     pj.synced(ack)
+                    if not ack.rolled_back and not pj.resyncing:
+                        self._heard([(pj.pool_id, ack.generation)])
             self._resyncing = any(j.resyncing for j in self._journals.values())
             self._alive_until = sent_at + fence_seconds(self.lease.ttl_seconds)
 
     def _claims(self, pj: PoolJournal) -> list[pb.SequenceClaim]:
-        """Every live sequence of the pool as this client holds it (for a resync)."""
-        hb = hashing.HASH_BYTES
-        missing = bytes(hb)     # (never: every committed block's hash is kept; a wrong one loses the sequence)
-        return [pb.SequenceClaim(sequence=s.number, num_tokens=s._num_tokens, block_table=s._table,
-                                 num_committed_blocks=s._committed, last_hash=s._last_hash,
-                                 block_hashes=b"".join(pj.hash_of.get(b, missing) for b in s._table[:s._committed]),
-                                 num_cached_tokens=s.num_cached_tokens)
-                for s in self._live if s.pool == pj.pool_id]
+        """Every live sequence of the pool as this client holds it (for a resync; every
+        committed block's hash is kept: a wrong one would lose the sequence). A step in
+        progress may still undo its fast appends: their sequences are claimed at their
+        lengths before them (the allocator learns the rest with the next entry)."""
+        pending = self._pending_fast
+        out = []
+        for s in self._live:
+            if s.pool != pj.pool_id:
+                continue
+            c = claim(s, pj.hash_of)
+            if pending is not None and s in pending[0] and s not in pending[1]:
+                c.num_tokens -= len(pending[0][s])
+            out.append(c)
+        pj.resync_lengths = {c.sequence: c.num_tokens for c in out}
+        return out
 
     def _resynced(self, pj: PoolJournal, ack: pb.PoolReserve) -> None:
-        """A resync's reply: the lost sequences are dropped (see ``lost_sequences``)."""
-        lost = set(ack.lost_sequences)
+        """A resync's reply: the lost sequences are dropped (see ``lost_sequences``); the
+        pool's generation is the reply's."""
+        self._mark_lost(pj.pool_id, set(ack.lost_sequences))
         kept = []
-        for s in [s for s in self._live if s.pool == pj.pool_id]:
-            if s.number in lost:
-                s.lost = s.freed = True
-                s._room = 0
-                self._live.discard(s)
-                self._lost.append(s)
-            else:
+        claimed = pj.resync_lengths
+        for s in self._live:
+            if s.pool == pj.pool_id:
                 kept.append(s._table)
-                s._logged = s._num_tokens      # (the claim carried its length)
+                s._logged = claimed.get(s.number, s._num_tokens)    # (the claim carried that length)
         pj.resynced(ack, kept)
+        self._generations[pj.pool_id] = ack.generation
         self.resync_count += 1
 
     def lost_sequences(self) -> list[Sequence]:
@@ -504,8 +546,8 @@ class LocalSteps:
             if busy or now - last >= keepalive_every:
                 self._sync_once(background=True)
                 last = now
-            if self._doubtful:
-                self._settle()
+            if self._doubts:
+                self._settle_doubts(background=True)
 
     def reserved_blocks(self) -> int:
         """Blocks this client holds in reserve, over all pools (its own view)."""

@@ -38,6 +38,9 @@ def to_domain_error(exc: grpc.RpcError) -> errors.KvsError:
     meta = info.metadata
     if reason == "LEASE_EXPIRED":
         cls = errors.LeaseExpired
+    if reason == "ROLLED_BACK":
+        return errors.RolledBack(message, pool_id=meta.get("pool_id", ""), generation=_int(meta.get("generation")),
+                                 partial=partial)
     if cls is errors.ResourceExhausted:
         err: errors.KvsError = errors.ResourceExhausted(
             message, pool_id=meta.get("pool_id", ""), needed=_int(meta.get("needed")),

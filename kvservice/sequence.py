@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 from kvservice import errors
+from kvservice.common import hashing
 from kvservice.v1 import allocator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Sequence:
 
     __slots__ = ("client", "id", "number", "pool", "epoch", "block_size", "num_cached_tokens", "_table",
                  "_num_tokens", "_committed", "_last_hash", "_tail", "_private", "_room", "_logged",
-                 "_prompt_hashes", "lost", "freed", "__weakref__")
+                 "_prompt_hashes", "_hashes", "lost", "freed", "__weakref__")
 
     def __init__(self, client: "Client", state: pb.Sequence, tail: list[int], private: bool) -> None:
         self.client = client
@@ -74,6 +75,9 @@ class Sequence:
         self._room = 0
         self._logged = self._num_tokens
         self._prompt_hashes = state.block_hashes   # (a create's reply: its committed blocks' hashes)
+        #: (remote mode) the hash of each committed block, to resynchronise (local mode keeps
+        #: them per pool: ``PoolJournal.hash_of``); None in local mode.
+        self._hashes: list[bytes] | None = None
         #: Lost in a resync (the allocator lost writes and could not keep it): see
         #: ``Client.lost_sequences``.
         self.lost = False
@@ -132,9 +136,35 @@ class Sequence:
         return [pb.BlockCommit(index=self._committed + i, token_ids=self._tail[i * bs:(i + 1) * bs])
                 for i in range(full)]
 
+    def _commit_full_blocks(self) -> None:
+        """(remote mode, before a resync) Every full block counts as committed, under the
+        hash the allocator gives it (chained from the last committed one): the pool may
+        have committed them in a step whose answer never came, and a resync keeps a hashed
+        block only for a claim that names its hash. A chain this client does not know is
+        left as it is."""
+        bs = self.block_size
+        full = self._num_tokens // bs
+        if self._hashes is None or full <= self._committed:
+            return
+        h = self._last_hash
+        for i in range(0, (full - self._committed) * bs, bs):
+            h = hashing.block_hash(h, self._tail[i:i + bs])
+        self._apply_commits(full, h)
+
     def _apply_commits(self, committed: int, last_hash: bytes) -> None:
-        drop = (committed - self._committed) * self.block_size
+        bs = self.block_size
+        drop = (committed - self._committed) * bs
         if drop:
+            hashes = self._hashes
+            if hashes is not None:
+                # (remote mode: the hashes of the blocks committed now, chained as the
+                # allocator chains them; a chain that ends elsewhere is not kept)
+                h, tail = self._last_hash, self._tail
+                for i in range(0, drop, bs):
+                    h = hashing.block_hash(h, tail[i:i + bs])
+                    hashes.append(h)
+                if h != last_hash:
+                    self._hashes = None
             del self._tail[:drop]
         self._committed = committed
         self._last_hash = last_hash

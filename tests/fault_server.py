@@ -4,13 +4,15 @@ dropped after the call was applied, and partitions (for the local-mode state mac
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
 
+from kvservice.allocator.server import SERVICE_NAME
 from kvservice.v1 import allocator_pb2 as pb
 
-from helpers import ServerThread
+from helpers import TEST_SETTINGS, ServerThread
 
 
 class Faults(grpc.aio.ServerInterceptor):
@@ -107,3 +109,46 @@ class FaultyServer(ServerThread):
         faults = Faults()
         super().__init__(redis_url, settings, interceptors=(faults,))
         self.faults = faults
+
+
+class DropReply(grpc.aio.ServerInterceptor):
+    """Lets ``method``'s handler run, then loses its reply once ``armed`` (every time while
+    armed, with ``every``): answers UNAVAILABLE instead, or with ``hang`` seconds, holds the
+    reply until the caller's deadline has passed (DEADLINE_EXCEEDED on its side). Counts the
+    calls that reached the handler."""
+
+    def __init__(self, method: str, *, every: bool = False, hang: float = 0.0) -> None:
+        self.method = f"/{SERVICE_NAME}/{method}"
+        self.every = every
+        self.hang = hang
+        self.armed = False
+        self.dropped = 0
+        self.handled = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method != self.method:
+            return handler
+        inner = handler.unary_unary
+
+        async def run_then_drop(request, context):
+            reply = await inner(request, context)
+            self.handled += 1
+            if self.armed:
+                self.armed = self.every
+                self.dropped += 1
+                if self.hang:
+                    await asyncio.sleep(self.hang)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost (test)")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(run_then_drop, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+class DroppingServer(ServerThread):
+    """An allocator server with ``DropReply`` outside its error interceptor (no reaper)."""
+
+    def __init__(self, redis_url: str, dropper: DropReply) -> None:
+        super().__init__(redis_url, TEST_SETTINGS.replace(reserve_min_blocks=4), reap=False, interceptors=(dropper,))
+        self.dropper = dropper

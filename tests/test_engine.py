@@ -248,3 +248,48 @@ def test_a_request_past_8192_tokens_runs_on_the_long_preset_and_matches_hf_logit
     assert got.shape == ref.shape
     assert torch.allclose(got, ref, atol=LOGITS_ATOL, rtol=0), (got - ref).abs().max()
     assert tokens == ref.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["restart", "last-second-lost"])
+def test_requests_survive_a_redis_restart_and_one_that_forgets_its_last_second(cut):
+    """The stack's Redis (AOF on) SIGKILLed mid-run and started again from its AOF, whole or
+    cut back by its last second (an OS crash under appendfsync everysec): the pools begin a
+    new generation, the workers refuse the engine's steps of the old one until its client
+    has resynchronised, the sequences the pool cannot prove are recomputed as after a
+    preemption, and the outputs do not change."""
+    import os
+    import time
+
+    rng = random.Random(7)
+    requests = [Request(_prompt(rng, n), max_new_tokens=48, request_id=f"r{n}") for n in (9, 21, 30, 40)]
+    requests.append(Request(_prompt(rng, 17), max_new_tokens=48, n=2, temperature=0.9, seed=3, request_id="s"))
+    with Stack(2, model=MODEL, model_seed=SEED, block_size=BS, num_blocks=64, redis_fsync="everysec") as stack:
+        with Engine(stack.target, credentials=stack.credentials()) as engine:
+            reference = engine.run(requests)
+        aof = os.path.join(stack.redis.data_dir, "appendonly.aof")
+        mark: dict = {}
+
+        def crash(p) -> None:
+            if p.step == 6:
+                engine.client.flush()
+                time.sleep(0.05)            # (written out: the everysec buffer is flushed at once here)
+                mark["size"] = os.path.getsize(aof)
+            elif p.step == 30:
+                engine.client.flush()
+                stack.redis.kill()
+                mark["cut"] = os.path.getsize(aof) - mark["size"]
+                if cut:
+                    with open(aof, "r+b") as f:
+                        f.truncate(mark["size"])
+                stack.redis.start()
+
+        engine = Engine(stack.target, credentials=stack.credentials(), progress=crash)
+        with engine:
+            report = engine.run(requests)
+            assert engine.client.resync_count >= 1
+        _check_clean(stack)
+    assert report.failed == 0
+    # (what the cut loses is 24 steps of writes; the sequences a resync cannot keep, if
+    # any, are recomputed as after a preemption)
+    assert mark["cut"] > 0
+    assert [c.outputs for c in report.completions] == [c.outputs for c in reference.completions]

@@ -15,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import redis
 
@@ -25,6 +24,7 @@ from kvservice.channel import channel_target, parse_targets, service_config
 from kvservice.client import Client
 from kvservice.tools.launcher import AllocatorProcess
 
+from fault_server import DropReply, DroppingServer
 from helpers import TEST_SETTINGS, ServerThread, audit, stats, suite_credentials
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,45 +266,6 @@ def test_a_client_paused_past_its_ttl_refuses_its_next_append_after_it_resumes(r
 
 
 # ------------------------------------------------------------------ a reply lost after the call was applied
-
-
-class DropReply(grpc.aio.ServerInterceptor):
-    """Lets ``method``'s handler run, then answers UNAVAILABLE instead of its reply, once
-    ``armed`` (every time while armed, with ``every``); counts the calls that reached the
-    handler."""
-
-    def __init__(self, method: str, *, every: bool = False) -> None:
-        self.method = f"/{SERVICE_NAME}/{method}"
-        self.every = every
-        self.armed = False
-        self.dropped = 0
-        self.handled = 0
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method != self.method:
-            return handler
-        inner = handler.unary_unary
-
-        async def run_then_drop(request, context):
-            reply = await inner(request, context)
-            self.handled += 1
-            if self.armed:
-                self.armed = self.every
-                self.dropped += 1
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost (test)")
-            return reply
-
-        return grpc.unary_unary_rpc_method_handler(run_then_drop, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
-
-
-class DroppingServer(ServerThread):
-    """An allocator server with ``DropReply`` outside its error interceptor (no reaper)."""
-
-    def __init__(self, redis_url: str, dropper: DropReply) -> None:
-        super().__init__(redis_url, TEST_SETTINGS.replace(reserve_min_blocks=4), reap=False, interceptors=(dropper,))
-        self.dropper = dropper
 
 
 def _run_steps(c: Client) -> list:

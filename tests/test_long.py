@@ -83,10 +83,16 @@ def test_a_create_larger_than_the_pool_changes_nothing(small, local):
         reserved = c.reserved_blocks() if local else 0
         assert info.value.needed == 75 and info.value.available == 54 - reserved
         after = keyspace(small.redis_url)
-        assert {k: v for k, v in after.items() if not k.endswith(b":stats")} == \
-            {k: v for k, v in before.items() if not k.endswith(b":stats")}
+        # (a local client whose reserve is low asks for a refill now and then, in the
+        # background; refused for want of room, it leaves only its request record)
+        assert _pool_state(after) == _pool_state(before)
         assert audit(small.redis_url) == []
         keep.free()
+
+
+def _pool_state(space: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """The keyspace without the counters and the request records (a retry's answers)."""
+    return {k: v for k, v in space.items() if not k.endswith(b":stats") and b":req:" not in k}
 
 
 def test_a_million_tokens_at_the_defaults(redis_url, local):

@@ -43,10 +43,10 @@ def _kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
 
 
-def _write(stub, epoch: int, slots: list[int], lease: str, seed: int = 1):
+def _write(stub, epoch: int, slots: list[int], lease: str, seed: int = 1, generation: int = 0):
     k, v = _kv(len(slots), seed)
     return stub.WriteKV(pb.WriteKVRequest(epoch=epoch, layer=0, slot_mapping=slots, key=tensors.encode(k),
-                                          value=tensors.encode(v), lease_id=lease), timeout=10)
+                                          value=tensors.encode(v), lease_id=lease, generation=generation), timeout=10)
 
 
 def _memory(stub, epoch: int) -> bytes:
@@ -127,7 +127,8 @@ def test_a_dead_lease_s_writes_are_refused_within_a_heartbeat(stack, death):
     admin_channel = stack.credentials("admin").channel(stack.target)
     try:
         epoch = engine.Describe(pb.DescribeWorkerRequest(), timeout=10).epoch
-        assert _write(engine, epoch, slots, client.lease_id).num_written == 20
+        gen = client.generation("worker-0")
+        assert gen and _write(engine, epoch, slots, client.lease_id, generation=gen).num_written == 20
         if death == "revoked":
             apb_grpc.AllocatorStub(admin_channel).RevokeLease(apb.RevokeLeaseRequest(lease_id=client.lease_id),
                                                               timeout=10)
@@ -136,7 +137,7 @@ def test_a_dead_lease_s_writes_are_refused_within_a_heartbeat(stack, death):
             revoked = time.monotonic() + (client.lease.deadline_ms / 1000 - time.time())   # (its deadline)
         while True:
             try:
-                _write(engine, epoch, slots, client.lease_id, seed=2)
+                _write(engine, epoch, slots, client.lease_id, seed=2, generation=gen)
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.details()
                 assert "expired or was revoked" in exc.details()
@@ -149,7 +150,7 @@ def test_a_dead_lease_s_writes_are_refused_within_a_heartbeat(stack, death):
         assert took < 3 * HEARTBEAT + 0.5 + 0.5, f"refused only {took:.2f} s after the lease died"
         # Another lease writes on.
         with Client(stack.target, credentials=stack.credentials("engine"), keepalive=False) as other:
-            assert _write(engine, epoch, slots, other.lease_id, seed=3).num_written == 20
+            assert _write(engine, epoch, slots, other.lease_id, seed=3, generation=gen).num_written == 20
     finally:
         channel.close()
         admin_channel.close()

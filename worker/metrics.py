@@ -72,10 +72,11 @@ class TimedBackend:
 class WorkerMetrics:
     """The metrics of one worker, in their own registry; ``attach`` times the pool's kernels."""
 
-    def __init__(self, pool_id: str, pool: KVPool, runner: Any = None) -> None:
+    def __init__(self, pool_id: str, pool: KVPool, runner: Any = None, fence: Any = None) -> None:
         self.pool_id = pool_id
         self.pool = pool
         self.runner = runner
+        self.fence = fence          # (worker.fence.LeaseFence: its refused writes)
         self.registry = CollectorRegistry()
         self.rpc_seconds = histogram("rpc_duration_seconds", self.registry, RPC_BUCKETS)
         self.kernel_seconds = histogram("worker_kernel_duration_seconds", self.registry, KERNEL_BUCKETS)
@@ -101,3 +102,7 @@ class WorkerMetrics:
             f = family(short)
             f.add_metric(labels, float(value))
             yield f
+        f = family("worker_refused_writes_total")
+        for reason, n in sorted((self.fence.refused if self.fence is not None else {}).items()):
+            f.add_metric([self.pool_id, reason], float(n))
+        yield f

@@ -154,7 +154,9 @@ async def set_serving(health_servicer: common_grpc.HealthServicer, serving: bool
 
 
 class Registrar:
-    """Registers the pool with the allocator and keeps it alive with heartbeats."""
+    """Registers the pool with the allocator and keeps it alive with heartbeats; tells the
+    fence the dead leases and the pool's generation, and lets it ask for them at once
+    (``refresh``)."""
 
     def __init__(self, pool: KVPool, pool_id: str, allocator: str, advertise: str, timeout: float,
                  credentials: ClientCredentials | None = None, fence: LeaseFence | None = None) -> None:
@@ -165,6 +167,9 @@ class Registrar:
         self.timeout = timeout
         self.channel = (credentials or ClientCredentials()).aio_channel(allocator)
         self.stub = allocator_pb2_grpc.AllocatorStub(self.channel)
+        #: A heartbeat asked by the fence found the pool registered again elsewhere.
+        self.taken_over: PoolTakenOver | None = None
+        self.fence.refresh = self.refresh
 
     async def register(self) -> int:
         """Registers (a new epoch), retrying while the allocator is unreachable."""
@@ -187,6 +192,7 @@ class Registrar:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self.pool.epoch = reply.epoch
+        self.fence.generation = reply.generation
         log.info("pool %s registered at epoch %d (%d blocks of %d tokens)", self.pool_id, reply.epoch,
                  s.num_blocks, s.block_size)
         return reply.epoch
@@ -198,15 +204,42 @@ class Registrar:
             reply = await self.stub.Heartbeat(allocator_pb2.HeartbeatRequest(
                 pool_id=self.pool_id, epoch=self.pool.epoch, dead_since_ms=self.fence.dead_until_ms), timeout=10)
             self.fence.learn(list(reply.dead_leases), reply.dead_until_ms)
+            if self.fence.generation != reply.generation:
+                log.warning("pool %s is at generation %d (was %s): its Redis restarted or failed over; writes of "
+                            "clients that have not resynchronised are refused", self.pool_id, reply.generation,
+                            self.fence.generation)
+                self.fence.generation = reply.generation
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 log.warning("the allocator does not know pool %s (its state was reset): registering again",
                             self.pool_id)
                 await self.register()
             elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                if await self._registration_lost():
+                    log.warning("pool %s is at an older epoch than %d (its Redis lost the registration): "
+                                "registering again", self.pool_id, self.pool.epoch)
+                    await self.register()
+                    return
                 raise PoolTakenOver(exc.details()) from None
             else:
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
+
+    async def _registration_lost(self) -> bool:
+        """Whether the pool's epoch is below this worker's: its Redis lost the registration
+        (rolled back), rather than another process registering the pool again."""
+        try:
+            pool = await self.stub.DescribePool(allocator_pb2.DescribePoolRequest(pool_id=self.pool_id), timeout=10)
+        except grpc.aio.AioRpcError:
+            return False
+        return pool.epoch < self.pool.epoch
+
+    async def refresh(self) -> None:
+        """A heartbeat now (the fence's: a write carried a generation the worker had not
+        heard); a takeover it finds is kept for the heartbeat loop."""
+        try:
+            await self.heartbeat()
+        except PoolTakenOver as exc:
+            self.taken_over = exc
 
     async def close(self) -> None:
         await self.channel.close()
@@ -238,7 +271,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         pool = build_pool(settings)
     metrics = http = None
     if settings.metrics_port >= 0:
-        metrics = WorkerMetrics(settings.pool_id, pool, runner)
+        metrics = WorkerMetrics(settings.pool_id, pool, runner, fence)
         metrics.attach()
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
                                                         settings.allocator, runner, metrics, tokens, tls, fence)
@@ -277,6 +310,8 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
                 await asyncio.wait_for(stop.wait(), settings.heartbeat_interval)
             if registrar is not None and not stop.is_set():
                 await registrar.heartbeat()
+                if registrar.taken_over is not None:
+                    raise registrar.taken_over
     except PoolTakenOver as exc:
         log.error("pool %s was registered again elsewhere; this worker stops: %s", settings.pool_id, exc)
         code = 3

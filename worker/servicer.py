@@ -70,6 +70,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def WriteKV(self, request: pb.WriteKVRequest, context: Any) -> pb.WriteKVResponse:
         self._check_epoch(request.epoch)
         self.fence.check(request.lease_id, "WriteKV")
+        await self.fence.check_generation(request.generation, "WriteKV")
         n = self.pool.write(request.layer, list(request.slot_mapping), self._tensor(request.key, "key"),
                             self._tensor(request.value, "value"))
         return pb.WriteKVResponse(num_written=n)
@@ -89,11 +90,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def CopyBlocks(self, request: pb.CopyBlocksRequest, context: Any) -> pb.CopyBlocksResponse:
         self._check_epoch(request.epoch)
         self.fence.check(request.lease_id, "CopyBlocks")
+        await self.fence.check_generation(request.generation, "CopyBlocks")
         return pb.CopyBlocksResponse(num_copied=self.pool.copy([(p.src, p.dst) for p in request.pairs]))
 
     async def Forward(self, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
         self._check_epoch(request.epoch)
         self.fence.check(request.lease_id, "Forward")
+        await self.fence.check_generation(request.generation, "Forward")
         if self.runner is None:
             raise errors.FailedPrecondition("this worker serves no model (start it with --model)")
         from worker.model import StepSequence

@@ -57,6 +57,8 @@ def decode_reply(raw: bytes, *, internal: tuple[str, ...] = ()) -> dict[str, Any
         raise errors.ResourceExhausted(message, needed=int(reply.get("needed", 0)),
                                        available=int(reply.get("available", 0)), reason=reply.get("reason"),
                                        quota=reply.get("quota", ""), limit=int(reply.get("limit", 0)))
+    if reply.get("reason") == "ROLLED_BACK":
+        raise errors.RolledBack(message, generation=int(reply.get("generation", 0)))
     cls = errors.BY_CODE_NAME.get(code)
     if cls is None:
         raise RuntimeError(f"unexpected script reply: {reply}")

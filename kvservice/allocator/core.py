@@ -80,7 +80,8 @@ class Allocator(StepOps, ReserveOps):
         self._geometry[pool_id] = (int(reply["epoch"]), geometry)
         log.info("pool %s registered: epoch %s, %d blocks of %d tokens", pool_id, reply["epoch"],
                  geometry.num_blocks, geometry.block_size)
-        return PoolInfo(pool_id, int(reply["epoch"]), geometry, worker_address, int(reply["registered_ms"]))
+        return PoolInfo(pool_id, int(reply["epoch"]), geometry, worker_address, int(reply["registered_ms"]),
+                        generation=int(reply["generation"]))
 
     async def list_pools(self) -> list[PoolInfo]:
         """Every pool (read a page of ``FAN_OUT`` at a time)."""
@@ -124,21 +125,25 @@ class Allocator(StepOps, ReserveOps):
 
     async def _describe(self, pool_id: str) -> PoolInfo | None:
         counts = await self.store.pool_counts(pool_id)
-        if counts is None:
-            return None
+        return None if counts is None else self.pool_info(pool_id, counts)
+
+    def pool_info(self, pool_id: str, counts: dict[str, Any]) -> PoolInfo:
+        """A pool's description from its counts as read (``Store.pool_counts``)."""
         meta = counts["meta"]
         geometry = geometry_of(meta)
         self._geometry[pool_id] = (int(meta["epoch"]), geometry)
         stats: dict[str, float] = {k: v for k, v in counts.items() if k.startswith("num_")}
         stats.update(counts["stats"])
+        stats["generations"] = int(meta.get("generations", 0))
         stats["num_blocks"] = geometry.num_blocks
         stats["usage"] = counts["num_used_blocks"] / geometry.num_blocks
         return PoolInfo(pool_id, int(meta["epoch"]), geometry, meta.get("worker_address", ""),
-                        int(meta.get("registered_ms", 0)), stats, int(meta.get("heartbeat_ms", 0)))
+                        int(meta.get("registered_ms", 0)), stats, int(meta.get("heartbeat_ms", 0)),
+                        int(meta.get("generation", 0)))
 
     async def heartbeat(self, pool_id: str, epoch: int, dead_since_ms: int = 0) -> Heartbeat:
-        """Records a worker's heartbeat; returns the epoch, the Redis time and the leases
-        that died in the pool since ``dead_since_ms``."""
+        """Records a worker's heartbeat; returns the epoch, the Redis time, the leases that
+        died in the pool since ``dead_since_ms`` and the pool's generation."""
         check_pool_arg(pool_id)
         if not 1 <= epoch <= MAX_INT:
             raise errors.InvalidArgument(f"epoch must be in 1..{MAX_INT}, got {epoch}")
@@ -146,7 +151,7 @@ class Allocator(StepOps, ReserveOps):
             raise errors.InvalidArgument(f"dead_since_ms {dead_since_ms} is out of range")
         reply = await self.store.heartbeat(pool_id, epoch, dead_since_ms)
         return Heartbeat(int(reply["epoch"]), int(reply["heartbeat_ms"]), list(reply["dead"]),
-                         int(reply["dead_until_ms"]))
+                         int(reply["dead_until_ms"]), int(reply["generation"]))
 
     async def geometry(self, pool_id: str, *, refresh: bool = False) -> tuple[int, Geometry]:
         """The pool's current epoch and geometry (cached per epoch)."""

@@ -52,6 +52,8 @@ class Heartbeat:
     heartbeat_ms: int
     dead_leases: list[str]
     dead_until_ms: int
+    #: the pool's generation (lib/generation.lua): the worker refuses writes of any other
+    generation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,8 @@ class StepOutcome:
     copies: list[tuple[str, int, int]]
     #: (an error's partial outcome) the pools whose part was refused
     failed_pools: list[str] = field(default_factory=list)
+    #: the generation of each pool whose part was applied
+    generations: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +155,8 @@ class ReserveRequest:
     need_blocks: int = 0
     #: Instead of entries: the lease's whole state in the pool (``PoolResync``).
     resync: "tuple[SequenceClaim, ...] | None" = None
+    #: The pool's generation as the client heard it (0: none).
+    generation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +178,9 @@ class ReserveGrant:
     #: The quota ("blocks", "sequences") that kept the grant below what was needed now, and its limit.
     quota: str = ""
     quota_limit: int = 0
+    #: The pool's generation; ``rolled_back``: the client's was another one (nothing applied).
+    generation: int = 0
+    rolled_back: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +213,7 @@ class PoolInfo:
     registered_at_ms: int
     stats: dict[str, float] = field(default_factory=dict)
     last_heartbeat_ms: int = 0
+    generation: int = 0
 
 
 #: ``<pool>/<epoch>/<n>-<tag>``: ASCII digits only (``str.isdigit`` also takes "²" and

@@ -39,8 +39,8 @@ ALLOCATOR_COMMANDS = (
     "cluster|slots", "cluster|shards", "asking", "command",
     # acknowledgement by replicas (WAIT)
     "wait",
-    # inside the scripts (scripts/*.lua)
-    "del", "exists", "get", "set", "incr", "unlink", "pexpire", "time",
+    # inside the scripts (scripts/*.lua; ``info``: its server section's run_id, lib/generation)
+    "info", "del", "exists", "get", "set", "incr", "unlink", "pexpire", "time",
     "hdel", "hexists", "hget", "hgetall", "hincrby", "hmget", "hscan", "hset", "hlen",
     "llen", "lpop", "rpush", "lrange",
     "sadd", "smembers",

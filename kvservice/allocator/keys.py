@@ -7,7 +7,9 @@ so the two tag families never meet.
 Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KEYS:
 
 - ``meta``   hash: geometry, ``epoch``, ``worker_address``, ``registered_ms``, ``next_seq``,
-  ``heartbeat_ms`` (the last worker heartbeat, Redis clock)
+  ``heartbeat_ms`` (the last worker heartbeat, Redis clock), ``generation``, ``server``
+  (the run_id of the Redis process that began it) and ``generations`` (how many began in
+  the pool's life: ``scripts/lib/generation.lua``)
 - ``state``  hash: ``fresh`` (blocks at or above it were never used, hence free), ``clock``
   (LRU counter of the evictable set), ``version`` (raised by every script that changes the
   pool: the audit reads the pool in pieces and checks it read one state),

@@ -92,7 +92,15 @@ class ReserveOps:
                          request_id: str, touch_ms: int) -> ReserveGrant:
         """One pool's part of a Sync. ``left_ms``: the lease's time left as its record tells
         (0: attached to the pool already), ``touch_ms``: after the keep-alive; each pool's
-        shard adds them to its own clock."""
+        shard adds them to its own clock. A pool whose generation is not the client's
+        applies nothing and says so (``rolled_back``): the client resyncs there."""
+        try:
+            return await self._sync_pool_now(lease_id, tenant, r, entries, left_ms, request_id, touch_ms)
+        except errors.RolledBack as exc:
+            return ReserveGrant(r.pool_id, r.epoch, [], 0, 0, generation=exc.generation, rolled_back=True)
+
+    async def _sync_pool_now(self, lease_id: str, tenant: str, r: ReserveRequest, entries: Any, left_ms: int,
+                             request_id: str, touch_ms: int) -> ReserveGrant:
         s = self.settings
         _, geo = await self.geometry(r.pool_id)
         cap = max(s.reserve_min_blocks, int(s.reserve_share * geo.num_blocks))
@@ -106,13 +114,14 @@ class ReserveOps:
             reply = await self._resync_parts(lease_id, r.pool_id, payload, entries)
             return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
                                 lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
-                                resynced=True)
+                                resynced=True, generation=int(reply["generation"]))
         returned = [int(b) for b in r.returned_blocks]
         # The entries are known by their numbers (a resend is a no-op by numbering): the
         # fingerprint covers the rest of the request and which entries it carries.
         request = [lease_id, r.pool_id, r.epoch, r.want_blocks, returned, r.first_entry, entries["n"],
                    r.want_sequence_numbers, r.need_blocks]
-        base = {"pool": r.pool_id, "epoch": r.epoch, "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id,
+        base = {"pool": r.pool_id, "epoch": r.epoch, "generation": r.generation,
+                "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id,
                 "tenant": tenant, "quota": self.quota(tenant), "lease_left_ms": left_ms,
                 "touch_left_ms": touch_ms, "cap": cap,
                 "pressure_blocks": int(s.reserve_pressure_share * geo.num_blocks),
@@ -157,7 +166,8 @@ class ReserveOps:
         quota = last["quota"] or reply["quota"]
         return ReserveGrant(r.pool_id, last["epoch"], granted, last["num_reserved"], last["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"],
-                            quota=quota, quota_limit=last["quota_limit"] if last["quota"] else reply["quota_limit"])
+                            quota=quota, quota_limit=last["quota_limit"] if last["quota"] else reply["quota_limit"],
+                            generation=int(last["generation"]))
 
     async def _resync_parts(self, lease_id: str, pool_id: str, payload: dict[str, Any],
                             claims: list[dict[str, Any]]) -> dict[str, Any]:

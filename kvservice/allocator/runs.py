@@ -31,6 +31,7 @@ from typing import Any
 from kvservice import errors
 from kvservice.allocator.checks import fingerprint
 from kvservice.allocator.codec import LEASE_UNKNOWN, RUN_SHORT, STALE_EPOCH, ScriptError, TOO_BIG
+from kvservice.allocator.generations import known_generation
 from kvservice.common import hashing
 
 #: Hashes one probe call looks up. (A run's part does ``max_blocks_per_call`` blocks of
@@ -61,7 +62,8 @@ class RunOps:
 
     def _run_base(self, op: str, pool_id: str, epoch: int, lease_id: str, tenant: str, lease_left: int,
                   run_id: str, print_: str) -> dict[str, Any]:
-        return {"op": op, "pool": pool_id, "epoch": epoch, "lease_id": lease_id, "lease_left_ms": lease_left,
+        return {"op": op, "pool": pool_id, "epoch": epoch, "generation": known_generation(pool_id),
+                "lease_id": lease_id, "lease_left_ms": lease_left,
                 "tenant": tenant, "quota": self.quota(tenant), "request_id": run_id, "fingerprint": print_,
                 "request_ttl_ms": self._request_ttl_ms(), "budget": self.settings.max_blocks_per_call,
                 "sequence": 0, "hold": False,
@@ -326,7 +328,8 @@ class RunOps:
                 created = list(last["created"])
         for i, kids in children.items():
             out_updates[i]["children"] = [_record(k) for k in kids]
-        out = {"epoch": epoch, "updates": out_updates, "created": [_record(c) for c in created], "copies": copies}
+        out = {"epoch": epoch, "updates": out_updates, "created": [_record(c) for c in created], "copies": copies,
+               "generation": last["generation"] if last is not None else await self.store.generation(pool_id)}
         if request_id:
             await self.store.remember(pool_id, request_id, digest, out, self._request_ttl_ms())
         return out

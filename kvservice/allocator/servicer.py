@@ -24,7 +24,7 @@ STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in (
 def pool_to_pb(info: PoolInfo) -> pb.Pool:
     out = pb.Pool(pool_id=info.pool_id, epoch=info.epoch, worker_address=info.worker_address,
                   registered_at_ms=info.registered_at_ms, last_heartbeat_ms=info.last_heartbeat_ms,
-                  geometry=info.geometry.to_pb())
+                  geometry=info.geometry.to_pb(), generation=info.generation)
     if info.stats:
         out.stats.CopyFrom(stats_to_pb(info))
     return out
@@ -54,7 +54,7 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
                           applied_entries=g.applied_entries, first_sequence_number=g.first_sequence_number,
                           num_sequence_numbers=g.num_sequence_numbers, lost_sequences=g.lost_sequences,
                           reserve_blocks=g.reserve_blocks, resynced=g.resynced, quota=g.quota,
-                          quota_limit=g.quota_limit)
+                          quota_limit=g.quota_limit, generation=g.generation, rolled_back=g.rolled_back)
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
@@ -92,6 +92,7 @@ def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
         out.created.append(seq_to_pb(s) if s else pb.Sequence())
     out.copies.extend(pb.CopyPair(pool_id=p, src=a, dst=b) for p, a, b in o.copies)
     out.failed_pools.extend(o.failed_pools)
+    out.generations.update(o.generations)
     return out
 
 
@@ -135,7 +136,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         Access.pool(request.pool_id, "Heartbeat")
         beat = await self.a.heartbeat(request.pool_id, request.epoch, request.dead_since_ms)
         return pb.HeartbeatResponse(epoch=beat.epoch, heartbeat_at_ms=beat.heartbeat_ms, dead_leases=beat.dead_leases,
-                                    dead_until_ms=beat.dead_until_ms)
+                                    dead_until_ms=beat.dead_until_ms, generation=beat.generation)
 
     async def GrantLease(self, request: pb.GrantLeaseRequest, context: Any) -> pb.Lease:
         tenant = Access.grant_tenant(request.tenant)
@@ -153,7 +154,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         await self.access.lease(request.lease_id)
         create = Create(request.token_ids, request.pool_id, request.extra_key)
         out = await self.a.step(request.lease_id, [], [create], request.request_id)
-        return seq_to_pb(out.created[0])
+        seq = seq_to_pb(out.created[0])
+        seq.generation = out.generations.get(seq.pool_id, 0)
+        return seq
 
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
         await self.access.lease(request.lease_id)
@@ -168,7 +171,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         # SeqUpdate messages carry the fields of model.Update under the same names: they
         # go to the allocator as they are (no copy on the decode hot path).
         out = await self.a.step(request.lease_id, request.updates,
-                                [create_from_pb(c) for c in request.creates], request.request_id)
+                                [create_from_pb(c) for c in request.creates], request.request_id,
+                                request.generations)
         reply = outcome_to_pb(out)
         if synced is not None:
             reply.sync.CopyFrom(synced)
@@ -178,7 +182,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         await self.access.lease(request.lease_id)
         update = Update(request.sequence_id, request.num_tokens or -1, fork_grow_to=(0,))
         out = await self.a.step(request.lease_id, [update], [], request.request_id)
-        return seq_to_pb(out.updates[0].children[0])
+        seq = seq_to_pb(out.updates[0].children[0])
+        seq.generation = out.generations.get(seq.pool_id, 0)
+        return seq
 
     async def FreeSequences(self, request: pb.FreeSequencesRequest, context: Any) -> pb.FreeSequencesResponse:
         if not request.sequence_ids:
@@ -200,7 +206,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def _sync(self, request: pb.SyncRequest) -> pb.SyncResponse:
         pools = [ReserveRequest(p.pool_id, p.epoch, p.want_blocks, tuple(p.returned_blocks), p.first_entry,
                                 journal_from_pb(p.journal), p.want_sequence_numbers, p.need_blocks,
-                                resync_from_pb(p.resync) if p.HasField("resync") else None)
+                                resync_from_pb(p.resync) if p.HasField("resync") else None, p.generation)
                  for p in request.pools]
         lease, grants = await self.a.sync(request.lease_id, pools, request.request_id)
         return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])

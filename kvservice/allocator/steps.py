@@ -9,12 +9,13 @@ import asyncio
 import hashlib
 import hmac
 from collections import defaultdict
-from typing import Any
+from typing import Any, Mapping
 
 from kvservice import errors
 from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, check_request_id, commit_payload,
                                         epoch_error, fingerprint, seq_state)
 from kvservice.allocator.codec import STALE_EPOCH, TOO_BIG, ScriptError
+from kvservice.allocator.generations import KNOWN_GENERATIONS, known_generation
 from kvservice.allocator.runs import RunOps
 from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id)
@@ -48,8 +49,18 @@ class StepOps(RunOps):
         return seq_state(pool_id, epoch, {"sequence": n, **rec}, rec["lease_id"], geo.block_size)
 
     async def step(self, lease_id: str, updates: list[Update], creates: list[Create],
-                   request_id: str = "") -> StepOutcome:
-        """Applies one step: per pool all-or-nothing. See StepRequest in the proto."""
+                   request_id: str = "", generations: Mapping[str, int] | None = None) -> StepOutcome:
+        """Applies one step: per pool all-or-nothing. See StepRequest in the proto.
+        ``generations``: each pool's generation as the caller heard it (a pool whose
+        generation is another one refuses its part: RolledBack)."""
+        token = KNOWN_GENERATIONS.set(generations or {})
+        try:
+            return await self._step(lease_id, updates, creates, request_id)
+        finally:
+            KNOWN_GENERATIONS.reset(token)
+
+    async def _step(self, lease_id: str, updates: list[Update], creates: list[Create],
+                    request_id: str) -> StepOutcome:
         check_lease_id(lease_id)
         check_request_id(request_id)
         s = self.settings
@@ -159,10 +170,10 @@ class StepOps(RunOps):
                 if applied:
                     self._collect_applied(pool_id, by_pool[pool_id], applied, outcome)
                     partial = True
-                if isinstance(reply, errors.ResourceExhausted):
+                if isinstance(reply, (errors.ResourceExhausted, errors.RolledBack)):
                     reply.pool_id = pool_id
-                    if not reply.quota:       # (a quota is the tenant's limit, not the pool's)
-                        await self.store.count_failure(pool_id)
+                if isinstance(reply, errors.ResourceExhausted) and not reply.quota:
+                    await self.store.count_failure(pool_id)   # (a quota is the tenant's limit, not the pool's)
                 if not isinstance(reply, errors.KvsError):
                     raise reply
                 first_error = first_error or reply
@@ -248,7 +259,7 @@ class StepOps(RunOps):
         lease is known to be attached to the pool already (the script then reads its
         deadline there)."""
         s = self.settings
-        return {"pool": pool_id, "request_id": request_id, "fingerprint": digest,
+        return {"pool": pool_id, "generation": known_generation(pool_id), "request_id": request_id, "fingerprint": digest,
                 "request_ttl_ms": self._request_ttl_ms(), "lease_id": lease_id, "lease_left_ms": lease_left,
                 "tenant": tenant, "quota": self.quota(tenant),
                 "max_blocks": s.max_blocks_per_call, "max_fork_refs": s.max_fork_refs_per_call,
@@ -312,6 +323,7 @@ class StepOps(RunOps):
             state.block_hashes = tuple(items["hashes"][j][:state.num_committed_blocks])
             outcome.created[i] = state
         outcome.copies.extend((pool_id, src, dst) for src, dst in reply["copies"])
+        outcome.generations[pool_id] = int(reply["generation"])
 
     def _salt(self, tenant: str) -> str:
         """The prefix-cache salt of a tenant's creates (docs/security.md): its own name,

@@ -445,6 +445,12 @@ class Store:
         self._pool_list = (now, ids)
         return ids
 
+    async def generation(self, pool_id: str) -> int:
+        """The pool's generation as last recorded (a script run now may begin a new one:
+        ``scripts/lib/generation.lua``); 0 for an unregistered pool."""
+        raw = await self.redis.hget(keys.pool_key(pool_id, "meta"), "generation")
+        return int(raw) if raw else 0
+
     async def pool_meta(self, pool_id: str) -> dict[str, str] | None:
         raw = await self.redis.hgetall(keys.pool_key(pool_id, "meta"))
         if not raw or b"epoch" not in raw or b"num_blocks" not in raw:

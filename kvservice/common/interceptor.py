@@ -47,6 +47,8 @@ def status_of(exc: errors.KvsError, encode_partial: PartialEncoder | None = None
         quota = error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
             subject=subject, description=exc.message)])
         details.append(quota)
+    elif isinstance(exc, errors.RolledBack):
+        info.metadata.update({"pool_id": exc.pool_id, "generation": str(exc.generation)})
     details.insert(0, info)
     if exc.partial is not None and encode_partial is not None:
         details.append(encode_partial(exc.partial))

@@ -112,12 +112,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Resyncs: a client's whole state, sent after the pool lost journal entries it had acknowledged."),
     _m("pool_sequences_lost_total", "counter", POOL, "exporter",
        "Sequences a resync could not keep (their blocks may be another lease's): the engine recomputes them."),
+    _m("pool_generations_total", "counter", POOL, "exporter",
+       "Generations the pool began in its life: one per registration, one each time the Redis serving it "
+       "restarted or failed over (its state may have rolled back: every lease there resynchronises)."),
     # --- workers
     _m("worker_pool_bytes", "gauge", POOL, "worker", "Bytes of device memory held by the worker's K/V pool."),
     _m("worker_pool_blocks", "gauge", POOL, "worker", "Blocks in the worker's K/V pool."),
     _m("worker_kernel_duration_seconds", "histogram", ("pool", "kernel", "backend"), "worker",
        "Time of one kernel launch on the worker's device, by kernel and backend (cuda or torch)."),
     _m("worker_forward_tokens_total", "counter", POOL, "worker", "Tokens computed by Forward (prefill and decode)."),
+    _m("worker_refused_writes_total", "counter", ("pool", "reason"), "worker",
+       "Writes (WriteKV, CopyBlocks, Forward) refused: LEASE_EXPIRED (a dead lease's), ROLLED_BACK (of another "
+       "generation than the pool's: a writer that has not resynchronised since its Redis restarted or failed over)."),
     # --- the OpenAI-compatible HTTP API (kvservice api)
     _m("api_requests_total", "counter", ("endpoint", "status"), "api",
        "Requests answered, by endpoint (completions, chat) and HTTP status (499: the client went away)."),
@@ -153,6 +159,7 @@ POOL_COUNTERS = {
     "journal_gaps": "pool_journal_gaps_total",
     "journal_resyncs": "pool_journal_resyncs_total",
     "sequences_lost": "pool_sequences_lost_total",
+    "generations": "pool_generations_total",
 }
 POOL_GAUGES = {
     "num_blocks": "pool_capacity_blocks",

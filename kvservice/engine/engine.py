@@ -45,6 +45,7 @@ import grpc
 
 from kvservice import errors
 from kvservice.client import Client, Sequence, StepResult
+from kvservice.rpc import to_domain_error
 from kvservice.common.security import ClientCredentials
 from kvservice.engine.text import Detokenizer, StopMatcher, Tokenizer
 from kvservice.v1 import worker_pb2 as wpb
@@ -637,8 +638,7 @@ class Engine:
         per worker."""
         r = self.report
         r.steps += 1
-        if self.local:
-            self._recompute_lost()
+        self._recompute_lost()
         appends: dict[Sequence, list[int]] = {}
         forks: dict[Sequence, list[list[int]]] = {}
         for job in self._running:
@@ -698,6 +698,7 @@ class Engine:
         self._measure()
         if not self._forward(result, before) and shortage is not None:
             time.sleep(0.02)   # nothing could run: the pools are held by someone else
+        self._recompute_lost()     # (sequences a resync lost during the step)
         for job in [j for j in self._running if j.done]:
             self._running.remove(job)
             self._finish(job)
@@ -847,6 +848,8 @@ class Engine:
         for job in self._running:
             for b in job.branches:
                 s = b.seq
+                if s is not None and s.lost:
+                    continue           # (recomputed: _recompute_lost)
                 sampling = _sampling(job.req, b.seed)
                 if b.state == PREFILL:
                     bs, start = s.block_size, s.num_cached_tokens
@@ -866,18 +869,12 @@ class Engine:
         copies: dict[str, list[wpb.BlockCopy]] = {}   # applied by the worker before the step's writes
         for c in result.copies:
             copies.setdefault(c.pool, []).append(wpb.BlockCopy(src=c.src, dst=c.dst))
-        calls = {}   # one Forward per worker, all in flight at once
-        for pool, items in entries.items():
-            epochs = {b.seq.epoch for b, _, _, _ in items}
-            if len(epochs) != 1:
-                raise RuntimeError(f"pool {pool}: sequences of several epochs {sorted(epochs)} in one step")
-            request = wpb.ForwardRequest(epoch=epochs.pop(), copies=copies.get(pool, []),
-                                         sequences=[fs for _, _, fs, _ in items], return_logits=self.return_logits,
-                                         lease_id=self.client.lease_id)
-            calls[pool] = self._executor.submit(self._stubs[pool].Forward, request, timeout=self.timeout)
-        for pool, items in entries.items():
-            response = calls[pool].result()
-            rows = _rows(response.logits, len(items)) if self.return_logits else [None] * len(items)
+        calls = {pool: self._executor.submit(self._forward_call, pool, items, copies.get(pool, []))
+                 for pool, items in entries.items()}   # one Forward per worker, all in flight at once
+        for pool in list(entries):
+            response, entries[pool] = calls[pool].result()
+            items = entries[pool]
+            rows = _rows(response.logits, len(items)) if self.return_logits and items else [None] * len(items)
             extra = iter(response.extra_tokens)
             for (b, job, fs, kind), token, row in zip(items, response.next_tokens, rows):
                 if kind == PREFILL:
@@ -889,6 +886,34 @@ class Engine:
                         job.forking = False
                 self._sampled(b, job, token, row, DECODE)
         return sum(len(items) for items in entries.values())
+
+    def _forward_call(self, pool: str, items: list, copies: list[wpb.BlockCopy]) -> tuple[wpb.ForwardResponse, list]:
+        """One worker's Forward, and the items it computed. A worker that refuses it for
+        the pool's generation (the pool's state may have rolled back: RolledBack) is sent
+        it again once the client has resynchronised there, without the sequences the
+        resync lost (and their copy-on-write pairs)."""
+        for attempt in range(2):
+            epochs = {b.seq.epoch for b, _, _, _ in items}
+            if len(epochs) > 1:
+                raise RuntimeError(f"pool {pool}: sequences of several epochs {sorted(epochs)} in one step")
+            request = wpb.ForwardRequest(epoch=epochs.pop() if epochs else 0, copies=copies,
+                                         sequences=[fs for _, _, fs, _ in items], return_logits=self.return_logits,
+                                         lease_id=self.client.lease_id, generation=self.client.generation(pool))
+            try:
+                return self._stubs[pool].Forward(request, timeout=self.timeout), items
+            except grpc.RpcError as exc:
+                err = to_domain_error(exc)
+                if attempt or not isinstance(err, errors.RolledBack):
+                    raise err from None
+            log.warning("pool %s refused a step for its generation (its Redis restarted or failed over): "
+                        "resynchronising", pool)
+            self.client.resync(pool)
+            items = [x for x in items if not x[0].seq.lost]
+            kept = {blk for x in items for blk in x[0].seq.block_table}
+            copies = [c for c in copies if c.dst in kept]
+            if not items:
+                return wpb.ForwardResponse(), items
+        raise AssertionError("unreachable")
 
     def _sampled(self, b: _Branch, job: _Job, token: int, row: array | None, state: str) -> None:
         """Records a branch's new token: it is fed next (``state``), or the branch is done

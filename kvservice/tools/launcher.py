@@ -206,6 +206,8 @@ class Stack:
         api_args: more ``kvservice api`` flags.
         redis_cluster: with N > 0, a local Redis Cluster of N primaries with a replica each
             (``EmbeddedCluster``) instead of one Redis.
+        redis_fsync: one Redis with its append-only file on and this ``appendfsync``
+            (``always``, ``everysec``; "": no AOF, the local stack's default).
     """
 
     #: The client identities a secure stack makes certificates for (name, role).
@@ -215,7 +217,7 @@ class Stack:
                  block_size: int = 16, kv_memory: str = "64MiB", num_blocks: int = 0,
                  worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = (),
                  secure: bool = True, http_port: int | None = None, api_args: tuple[str, ...] = (),
-                 redis_cluster: int = 0) -> None:
+                 redis_cluster: int = 0, redis_fsync: str = "") -> None:
         if workers < 1:
             raise ValueError(f"a stack needs at least one worker, got {workers}")
         self.secure = secure
@@ -225,6 +227,7 @@ class Stack:
         self.worker_args, self.allocator_args = worker_args, allocator_args
         self.redis: EmbeddedRedis | EmbeddedCluster | None = None
         self.redis_cluster = redis_cluster
+        self.redis_fsync = redis_fsync
         self.allocator: AllocatorProcess | None = None
         self.workers: list[WorkerProcess] = []
         self.http_port, self.api_args = http_port, api_args
@@ -315,7 +318,8 @@ class Stack:
             if self.secure:
                 self._make_credentials()
             self.redis = (EmbeddedCluster(self.redis_cluster, 1, secure=self.secure) if self.redis_cluster
-                          else EmbeddedRedis(port=0, secure=self.secure)).start()
+                          else EmbeddedRedis(port=0, secure=self.secure, aof=bool(self.redis_fsync),
+                                             fsync=self.redis_fsync or "everysec")).start()
             if self.secure:
                 self._write_redis_urls()
             self.allocator = AllocatorProcess(self.redis.url, args=(*self._server_args(),

@@ -8,11 +8,12 @@
 --- KEYS[18] (optional): the pool registry (a set of pool ids).
 --- ARGV[1]: msgpack map {pool, request_id, fingerprint, request_ttl_ms, num_blocks,
 ---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address}
---- Returns msgpack {pool, epoch, registered_ms}; or an error (lib/codec):
+--- Returns msgpack {pool, epoch, generation (a new one: lib/generation), registered_ms}; or an error (lib/codec):
 ---   INVALID_ARGUMENT (a used request_id with other arguments).
 --- @include "lib/time"
 --- @include "lib/request"
 --- @include "lib/pool"
+--- @include "lib/generation"
 
 local K_REQUEST, K_REGISTRY = KEYS[NUM_POOL_KEYS + 1], KEYS[NUM_POOL_KEYS + 2]
 local p = args()
@@ -26,5 +27,6 @@ redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now)
 redis.call('HDEL', K_META, 'heartbeat_ms')
 redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
+local gen = begin_generation(K_META, server_run_id())
 if K_REGISTRY then redis.call('SADD', K_REGISTRY, p.pool) end
-return remember(K_REQUEST, p, reply({pool = p.pool, epoch = epoch, registered_ms = now}))
+return remember(K_REQUEST, p, reply({pool = p.pool, epoch = epoch, generation = gen, registered_ms = now}))

@@ -9,9 +9,9 @@
 --- consistent (counts, records, reserves, holdings). From the first part to the last, the
 --- lease's records in the pool are the resync's alone: K_STATE "resync:<lease>" names the
 --- run, and every other call of the lease there fails (lib/pool, lease_in_pool). The
---- run's own state is K_RUN (KEYS[18], a hash: run, stage, next, lost, "n<number>" for
---- the lease's recorded sequences, "b<block>" for blocks it took from the reserve), which
---- expires after request_ttl_ms. The pool's counters see the lease's recorded sequences
+--- run's own state is K_RUN (KEYS[18], a hash: run, generation, stage, next, lost, "n<number>" for
+--- the lease's recorded sequences, round (raised by each first part), "b<round>:<block>" for
+--- blocks the round took from the reserve), which expires after request_ttl_ms. The pool's counters see the lease's recorded sequences
 --- freed and its kept claims created. Stages:
 ---   drop     the lease's recorded sequences are dropped (as a free, last block first),
 ---            except that a block whose count reaches 0 and has no hash joins the lease's
@@ -24,7 +24,8 @@
 ---            Anything else (a free block: it may have been handed out and written since;
 ---            another lease's block; a block under another hash) makes the sequence lost,
 ---            as does a sequence number the pool may have given to another lease (held
----            now, or never the lease's and not above the pool's last granted number).
+---            now, or neither recorded for the lease, nor granted to it for its local
+---            forks (lib/reserve), nor above the pool's last granted number).
 ---            So no writable block is ever in two leases' tables. A kept claim is
 ---            recorded as the client holds it, and the commits of its blocks that the pool
 ---            lost are registered again (unless the hash is held by another block: the
@@ -32,7 +33,7 @@
 ---   reclaim  the lease's reserve goes back to the free list (the next Sync refills it);
 ---   finish   the journal continues from first_entry; the run ends.
 --- The first part (part 0) starts a run afresh, ending any earlier one of the lease
---- (whose parts then fail with RESYNC_SUPERSEDED); each later part continues the run it
+--- (whose parts then fail with RESYNC_SUPERSEDED; the numbers it dropped stay the lease's); each later part continues the run it
 --- names. The caller sends the claims in slices: ``offset`` is the index of the slice's
 --- first claim, which must be the run's next (else the reply only says which is next). A
 --- claim of more than ``budget`` blocks is sent alone, in pieces (``piece``: its blocks
@@ -51,12 +52,13 @@
 ---   last hash, hex), hs = [the hash hex of each committed block], k (cached tokens)}],
 ---   piece, from, blocks (a long claim's piece: its tab and hs from block ``from`` on, of
 ---   ``blocks`` in all)}
---- Returns msgpack {epoch, done = false, next (the index of the next claim to send), from
+--- Returns msgpack {epoch, generation, done = false, next (the index of the next claim to send), from
 ---   (the first block of its next piece)} while
----   the run goes on; {epoch, done = true, applied (first_entry - 1), lost = [sequence
+---   the run goes on; {epoch, generation, done = true, applied (first_entry - 1), lost = [sequence
 ---   numbers], reserve = [] (the lease's reserve, given back), cap} when it is done (kept
 ---   under the request id); or an error (lib/codec): NOT_FOUND, FAILED_PRECONDITION
----   (reasons EPOCH_CHANGED, LEASE_EXPIRED, RESYNC_SUPERSEDED), and the internal
+---   (reasons EPOCH_CHANGED, LEASE_EXPIRED, RESYNC_SUPERSEDED, ROLLED_BACK: the pool began a
+---   generation since the run's first part), and the internal
 ---   LEASE_UNKNOWN.
 --- @include "lib/request"
 --- @include "lib/runs"
@@ -69,23 +71,36 @@ if prev then return prev end
 local lease = p.lease_id
 local MARK = 'resync:' .. lease
 
-local ok, epoch = guarded(function()
-  local epoch, _, _, attach = check_sync_target(p, true)
+local ok, target = guarded(function()
+  local epoch, _, _, attach, gen = check_sync_target(p, true)
   if p.part > 0 and (redis.call('HGET', K_STATE, MARK) ~= p.run or redis.call('HGET', K_RUN, 'run') ~= p.run) then
     bad('FAILED_PRECONDITION', 'the resync of lease ' .. lease .. ' in pool ' .. p.pool .. ' was superseded by ' ..
       'another one, or its parts came too far apart; start it again', {reason = 'RESYNC_SUPERSEDED'})
   end
+  if p.part > 0 and tonumber(redis.call('HGET', K_RUN, 'generation')) ~= gen then
+    bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' began generation ' .. string.format('%d', gen) ..
+      ' during the resync of lease ' .. lease .. ' (its Redis restarted or failed over); start it again',
+      {reason = 'ROLLED_BACK', generation = gen})
+  end
   if attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
-  return epoch
+  return {epoch = epoch, generation = gen}
 end)
-if not ok then return epoch end
+if not ok then return target end
+local epoch, gen = target.epoch, target.generation
 
 if p.part == 0 then
-  redis.call('DEL', K_RUN)
-  redis.call('HSET', K_RUN, 'run', p.run, 'stage', 'drop', 'next', 0, 'lost', '')
+  -- A run started again (a part's answer lost, a resync sent again) keeps the numbers of
+  -- the sequences an earlier run of the lease dropped in this generation ("n<number>":
+  -- they are the lease's, and its claims name them), not the blocks it took (a new
+  -- round: "b<round>:<block>").
+  if tonumber(redis.call('HGET', K_RUN, 'generation')) ~= gen then redis.call('DEL', K_RUN) end
+  redis.call('HDEL', K_RUN, 'from')
+  redis.call('HINCRBY', K_RUN, 'round', 1)
+  redis.call('HSET', K_RUN, 'run', p.run, 'stage', 'drop', 'next', 0, 'lost', '', 'generation', gen)
   redis.call('HSET', K_STATE, MARK, p.run)
 end
 redis.call('PEXPIRE', K_RUN, p.request_ttl_ms)
+local B = 'b' .. redis.call('HGET', K_RUN, 'round') .. ':'
 
 local budget = p.budget
 local held = held_load(lease, p.tenant)
@@ -168,7 +183,7 @@ local function claims(next, left)
   end
   local rs, hs, res = hmget_chunked(K_REF, bf), hmget_chunked(K_B2H, bf), hmget_chunked(K_RESERVE, bf)
   local tf = {}
-  for i, s in ipairs(bf) do tf[i] = 'b' .. s end
+  for i, s in ipairs(bf) do tf[i] = B .. s end
   local tk = hmget_chunked(K_RUN, tf)
   local hash_of, in_reserve, mine = {}, {}, {}
   for i, b in ipairs(blocks) do
@@ -181,6 +196,7 @@ local function claims(next, left)
   for i, c in ipairs(todo) do nf[i] = string.format('%d', c.n); of[i] = 'n' .. nf[i] end
   local holders, old = hmget_chunked(K_SEQS, nf), hmget_chunked(K_RUN, of)
   local next_seq = tonumber(redis.call('HGET', K_META, 'next_seq')) or 0
+  local granted = granted_numbers(lease)
   local top = next_seq
   local w = changes()
   local took, counted = {}, {}
@@ -188,7 +204,7 @@ local function claims(next, left)
   local reg_b, reg_h = {}, {}
   local kept, nrefs = 0, 0
   for i, c in ipairs(todo) do
-    local good = holders[i] == false and (old[i] ~= false or c.n > next_seq)
+    local good = holders[i] == false and (old[i] ~= false or c.n > next_seq or granted(c.n))
     if good then
       for j, b in ipairs(c.tab) do
         local h = hash_of[b]
@@ -209,7 +225,7 @@ local function claims(next, left)
           elseif in_reserve[b] then
             in_reserve[b] = false
             w.unreserve[#w.unreserve + 1] = s
-            took[#took + 1] = 'b' .. s; took[#took + 1] = 1
+            took[#took + 1] = B .. s; took[#took + 1] = 1
           end
         end
         cnt[b] = cnt[b] + 1
@@ -278,7 +294,7 @@ local function claim_piece(next)
   if from == 1 then
     local next_seq = tonumber(redis.call('HGET', K_META, 'next_seq')) or 0
     local holder, old = redis.call('HGET', K_SEQS, nf), redis.call('HGET', K_RUN, 'n' .. nf)
-    if holder or not (old or c.n > next_seq) then
+    if holder or not (old or c.n > next_seq or granted_numbers(lease)(c.n)) then
       redis.call('HSET', K_RUN, 'lost', (redis.call('HGET', K_RUN, 'lost') or '') .. nf .. ' ')
       stats.sequences_lost = 1
       return 1, next + 1
@@ -298,7 +314,7 @@ local function claim_piece(next)
   for i, b in ipairs(tab) do bf[i] = D[b] or dec(b) end
   local rs, hs, res = hmget_chunked(K_REF, bf), hmget_chunked(K_B2H, bf), hmget_chunked(K_RESERVE, bf)
   local tf = {}
-  for i, f in ipairs(bf) do tf[i] = 'b' .. f end
+  for i, f in ipairs(bf) do tf[i] = B .. f end
   local tk = hmget_chunked(K_RUN, tf)
   local good = true
   for i, b in ipairs(tab) do
@@ -356,7 +372,7 @@ local function claim_piece(next)
         w.revive[#w.revive + 1] = f
       elseif res[i] == lease then
         w.unreserve[#w.unreserve + 1] = f
-        took[#took + 1] = 'b' .. f; took[#took + 1] = 1
+        took[#took + 1] = B .. f; took[#took + 1] = 1
       end
     end
     w.set_ref[#w.set_ref + 1] = f; w.set_ref[#w.set_ref + 1] = D[r + 1] or dec(r + 1)
@@ -400,11 +416,14 @@ end
 
 local stage = redis.call('HGET', K_RUN, 'stage')
 local next = tonumber(redis.call('HGET', K_RUN, 'next'))
--- (one stage's work per part: a stage that did some ends the part)
+-- (a part does about ``budget`` blocks of work, 1.5 times it at most: the drop, then, if
+-- it took half the budget at most, the claims in what is left, so that a small resync
+-- keeps the lease's cached blocks out of the evictable set between two calls, where
+-- another lease's call could evict them)
 local left = budget
 if stage == 'drop' then
   local work, done = drop()
-  if work > 1 then left = 0 end
+  left = (done and work <= budget / 2) and budget - work or 0
   if done then stage = 'claims' end
 end
 if stage == 'claims' and left > 0 then
@@ -427,14 +446,15 @@ if stage ~= 'finish' then
   set_lease_progress(lease, applied, reserved)
   redis.call('HSET', K_RUN, 'stage', stage, 'next', next)
   incr_stats(stats)
-  return reply({epoch = epoch, done = false, next = next, from = tonumber(redis.call('HGET', K_RUN, 'from')) or 1})
+  return reply({epoch = epoch, generation = gen, done = false, next = next,
+                from = tonumber(redis.call('HGET', K_RUN, 'from')) or 1})
 end
 set_lease_progress(lease, p.first_entry - 1, 0)
 local lost = {}
 for n in string.gmatch(redis.call('HGET', K_RUN, 'lost') or '', '%d+') do lost[#lost + 1] = tonumber(n) end
-redis.call('HDEL', K_STATE, MARK)
+redis.call('HDEL', K_STATE, MARK, 'numbers:' .. lease)   -- (the client drops its unused numbers)
 redis.call('DEL', K_RUN)
 stats.journal_resyncs = 1
 incr_stats(stats)
-return remember(K_REQUEST, p, reply({epoch = epoch, done = true, applied = p.first_entry - 1, lost = lost,
-                                    reserve = {}, cap = p.cap}))
+return remember(K_REQUEST, p, reply({epoch = epoch, generation = gen, done = true, applied = p.first_entry - 1,
+                                    lost = lost, reserve = {}, cap = p.cap}))

@@ -29,7 +29,8 @@
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key
 --- (a create's or a fork's: it names the run while it goes on, so that a retry resumes
 --- it, and keeps the outcome).
---- ARGV[1]: msgpack map {op, pool, epoch, lease_id, lease_left_ms (0: attached already),
+--- ARGV[1]: msgpack map {op, pool, epoch, generation (the pool's as the caller heard it;
+---   0: none; not checked for a free), lease_id, lease_left_ms (0: attached already),
 ---   tenant, quota = {blocks, sequences}, request_id, fingerprint, request_ttl_ms, budget
 ---   (blocks of work per part), sequence (the run's record; 0 on a create's first call),
 ---   hold; create, grow: num_tokens, root_hash (hex), expect (blocks to admit), first (the
@@ -39,7 +40,7 @@
 ---   num_cached_tokens, blocks (the blocks this part added), done (a sequence now, or
 ---   gone for a free), ready (held and complete), last_hash, num_tokens}; or an error
 ---   (lib/codec): NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION (reasons
----   EPOCH_CHANGED, LEASE_EXPIRED), RESOURCE_EXHAUSTED {needed, available} (reason
+---   EPOCH_CHANGED, LEASE_EXPIRED, ROLLED_BACK {generation}), RESOURCE_EXHAUSTED {needed, available} (reason
 ---   QUOTA_EXCEEDED past a quota), and the internal RUN_SHORT {needed, available},
 ---   STALE_EPOCH {epoch}, LEASE_UNKNOWN.
 --- @include "lib/time"
@@ -85,10 +86,11 @@ end
 
 local stats = {}
 local ok, res = guarded(function()
-  local epoch, num_blocks, bs = pool_meta(p.pool)
+  local epoch, num_blocks, bs, gen = pool_meta(p.pool)
   if p.epoch ~= epoch then bad('STALE_EPOCH', 'pool ' .. p.pool .. ' is at epoch ' .. epoch, {epoch = epoch}) end
   local now = now_ms()
   local op = p.op
+  if op ~= 'free' then check_generation(p, gen) end    -- (a run's own blocks go back whatever the generation)
   local n = p.sequence > 0 and field(p.sequence) or nil
   local attach = lease_in_pool(p.pool, lease, p.lease_left_ms, now, op == 'create' or op == 'fork' or op == 'grow')
 

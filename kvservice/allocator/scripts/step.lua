@@ -3,7 +3,8 @@
 ---
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
 --- ARGV[1]: msgpack map
----   pool, request_id ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
+---   pool, generation (the pool's as the caller heard it, lib/generation; 0: none), request_id
+---   ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
 ---   lease_left_ms (the lease's time left, ms; 0: it is attached to this pool already), tenant (the
 ---   lease's; '' when not looked up: the pool's record of the lease names it, lib/held),
 ---   quota = {blocks, sequences} (the tenant's quotas in the pool; 0: none), max_blocks,
@@ -19,12 +20,13 @@
 ---     growth's new blocks, scripts/stage.lua: appended, not allocated), graft_cow (its
 ---     first block is the copy-on-write destination, released if no copy is needed)}],
 ---   creates = [{epoch, num_tokens, root_hash (hex), block_hashes = [hex per full block]}]
---- Returns msgpack {epoch, updates = [{num_tokens, num_committed_blocks, last_hash,
+--- Returns msgpack {epoch, generation, updates = [{num_tokens, num_committed_blocks, last_hash,
 ---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
 ---   children = [record]}], created = [record], copies = [[src, dst]]}, where record =
 ---   {sequence, num_tokens, num_committed_blocks, num_cached_tokens, last_hash,
 ---   block_table, cow = [src, dst] (a child's)}; or an error (lib/codec): NOT_FOUND,
----   INVALID_ARGUMENT, FAILED_PRECONDITION, PERMISSION_DENIED, RESOURCE_EXHAUSTED
+---   INVALID_ARGUMENT, FAILED_PRECONDITION (reasons EPOCH_CHANGED, LEASE_EXPIRED,
+---   RESYNC_IN_PROGRESS, ROLLED_BACK {generation}), PERMISSION_DENIED, RESOURCE_EXHAUSTED
 ---   {needed, available} (and {reason QUOTA_EXCEEDED, quota, limit} past a quota), and the
 ---   internal STALE_EPOCH {epoch}, LEASE_UNKNOWN and TOO_BIG {frees = [[update index,
 ---   blocks]], forks = [[update index, parent's blocks]], grows = [[update index, new
@@ -36,6 +38,8 @@
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
+local ok0, gen = guarded(function() return checked_generation(p) end)
+if not ok0 then return gen end
 local prev = replay(K_REQUEST, p)
 if prev then return prev end
 local ups, creates = p.updates, p.creates
@@ -513,5 +517,5 @@ stats.sequences_created = nkids + nmade
 stats.sequences_freed = nfreed
 changed()
 incr_stats(stats)
-return remember(K_REQUEST, p, reply({epoch = plan.epoch, updates = out_updates, created = out_made,
-                                    copies = out_copies}))
+return remember(K_REQUEST, p, reply({epoch = plan.epoch, generation = gen, updates = out_updates,
+                                    created = out_made, copies = out_copies}))

@@ -26,7 +26,8 @@
 --- reply's ``applied`` says when (a resend continues where the parts stopped).
 ---
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
---- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
+--- ARGV[1]: msgpack map {pool, epoch, generation (the pool's as the client heard it,
+---   lib/generation; 0: none), request_id ('': none), fingerprint, request_ttl_ms,
 ---   lease_id, tenant (the lease's), quota = {blocks, sequences} (the tenant's quotas in the
 ---   pool, lib/held; 0: none), lease_left_ms (the lease's time left, ms; 0: attached to the pool already),
 ---   touch_left_ms (the lease's time left after the Sync's keep-alive, raised here as lease_touch
@@ -43,7 +44,7 @@
 ---   (the most blocks a refill towards the reserve's size grants in one call), part (the
 ---   journal is one long FORK or FREE, applied in part: nothing else is done), budget
 ---   (the blocks of such a part)}
---- Returns msgpack {epoch, applied (the last entry applied; a part: stuck, when a gap keeps it
+--- Returns msgpack {epoch, generation, applied (the last entry applied; a part: stuck, when a gap keeps it
 ---   from applying its entry), granted = [blocks added to
 ---   the reserve], num_reserved (the lease's reserve after the call), cap (the cap now:
 ---   the lease returns any surplus), first_sequence_number, num_sequence_numbers, quota (''
@@ -51,13 +52,16 @@
 ---   now), quota_limit};
 ---   or an error (lib/codec): NOT_FOUND, INVALID_ARGUMENT (an entry or a returned block
 ---   that does not fit the state: nothing applied), FAILED_PRECONDITION (reasons
----   EPOCH_CHANGED, LEASE_EXPIRED), and the internal LEASE_UNKNOWN.
+---   EPOCH_CHANGED, LEASE_EXPIRED, RESYNC_IN_PROGRESS, ROLLED_BACK {generation}: nothing
+---   applied, the keep-alive aside), and the internal LEASE_UNKNOWN.
 --- @include "lib/request"
 --- @include "lib/runs"
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
 touch_lease(p)
+local ok0, gen = guarded(function() return checked_generation(p) end)
+if not ok0 then return gen end
 local prev = replay(K_REQUEST, p)
 if prev then return prev end
 local lease = p.lease_id
@@ -318,8 +322,8 @@ local function entry_part()
     local epoch, num_blocks, bs, attach = check_sync_target(p)
     local applied = lease_progress(lease)
     local J = p.journal
-    local out = {epoch = epoch, applied = applied, granted = {}, cap = p.cap, first_sequence_number = 0,
-                 num_sequence_numbers = 0, quota = '', quota_limit = 0}
+    local out = {epoch = epoch, generation = gen, applied = applied, granted = {}, cap = p.cap,
+                 first_sequence_number = 0, num_sequence_numbers = 0, quota = '', quota_limit = 0}
     if J.n ~= 1 or p.first_entry ~= applied + 1 then     -- (applied already, or a gap)
       out.stuck = p.first_entry > applied + 1
       return out
@@ -562,13 +566,16 @@ if p.want_sequence_numbers > 0 then
   if num_seqs < p.want_sequence_numbers and quota_cut == '' then
     quota_cut, quota_limit = 'sequences', p.quota.sequences
   end
-  if num_seqs > 0 then first_seq = redis.call('HINCRBY', K_META, 'next_seq', num_seqs) - num_seqs + 1 end
+  if num_seqs > 0 then
+    first_seq = redis.call('HINCRBY', K_META, 'next_seq', num_seqs) - num_seqs + 1
+    grant_numbers(lease, first_seq, num_seqs)
+  end
 end
 held_write(held, held_blocks + #granted, held_seqs + num_seqs)
 if plan.attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
 if plan.done > 0 or #p.returned > 0 or #granted > 0 or num_seqs > 0 or plan.attach then changed() end
 incr_stats(stats)
-return remember(K_REQUEST, p, reply({epoch = plan.epoch, applied = plan.applied, granted = granted,
+return remember(K_REQUEST, p, reply({epoch = plan.epoch, generation = gen, applied = plan.applied, granted = granted,
                                     num_reserved = plan.kept + #granted, cap = cap,
                                     first_sequence_number = first_seq, num_sequence_numbers = num_seqs,
                                     quota = quota_cut, quota_limit = quota_limit}))

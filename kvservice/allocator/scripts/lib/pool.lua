@@ -1,4 +1,5 @@
 --- @include "lib/codec"
+--- @include "lib/generation"
 --- The 16 keys of one pool, in the order kvservice/allocator/keys.py passes them
 --- (KEYS[1..16]), the pool's registration record and its counters.
 local K_META, K_STATE, K_FREE, K_EVICT, K_REF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -7,11 +8,32 @@ local K_DEAD, K_STATS, K_TABS, K_RESERVE, K_JOURNAL = KEYS[11], KEYS[12], KEYS[1
 local K_HELD = KEYS[16]
 local NUM_POOL_KEYS = 16
 
--- Returns epoch, num_blocks, block_size of a registered pool; raises NOT_FOUND otherwise.
+-- Returns epoch, num_blocks, block_size and generation (lib/generation: a new one if the
+-- Redis serving the pool changed) of a registered pool; raises NOT_FOUND otherwise.
 local function pool_meta(pool_id)
-  local m = redis.call('HMGET', K_META, 'epoch', 'num_blocks', 'block_size')
+  local m = redis.call('HMGET', K_META, 'epoch', 'num_blocks', 'block_size', 'generation', 'server')
   if not m[1] or not m[2] then bad('NOT_FOUND', 'pool ' .. pool_id .. ' is not registered') end
-  return tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
+  return tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), current_generation(K_META, m[4], m[5])
+end
+
+-- Refuses a call whose generation (p.generation, as the caller heard it; 0: none, the
+-- caller holds nothing here) is not the pool's ``gen``: FAILED_PRECONDITION, reason
+-- ROLLED_BACK, with the pool's.
+local function check_generation(p, gen)
+  local known = p.generation or 0
+  if known ~= 0 and known ~= gen then
+    bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' is at generation ' .. string.format('%d', gen) .. ', not ' ..
+      string.format('%d', known) .. ': the Redis serving it restarted or failed over, so its state may have ' ..
+      'rolled back; resynchronise with it first', {reason = 'ROLLED_BACK', generation = gen})
+  end
+end
+
+-- The pool's generation, checked (check_generation) before anything else is read or
+-- replayed; NOT_FOUND for an unregistered pool.
+local function checked_generation(p)
+  local _, _, _, gen = pool_meta(p.pool)
+  check_generation(p, gen)
+  return gen
 end
 
 -- Whether a lease must be attached to the pool by this call (true) or is live in it

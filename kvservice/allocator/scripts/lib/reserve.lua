@@ -19,6 +19,40 @@ local function set_lease_progress(lease, applied, reserved)
   redis.call('HSET', K_JOURNAL, lease, string.format('%d %d', applied, reserved))
 end
 
+-- Sequence numbers granted to a lease for its local forks: K_STATE "numbers:<lease>" =
+-- "<first> <last> ..." of its last NUMBER_RANGES grants (the SDK uses them in order and
+-- asks for more only when it holds fewer than a grant, so its unused ones lie in the last
+-- two or three). A fork the lease made locally takes one before its entry is applied: a
+-- resync accepts a claim of it.
+local NUMBER_RANGES = 16
+
+local function grant_numbers(lease, first, n)
+  local field = 'numbers:' .. lease
+  local ranges = {}
+  for x in string.gmatch(redis.call('HGET', K_STATE, field) or '', '%d+') do ranges[#ranges + 1] = x end
+  ranges[#ranges + 1] = string.format('%d', first)
+  ranges[#ranges + 1] = string.format('%d', first + n - 1)
+  while #ranges > 2 * NUMBER_RANGES do
+    table.remove(ranges, 1)
+    table.remove(ranges, 1)
+  end
+  redis.call('HSET', K_STATE, field, table.concat(ranges, ' '))
+end
+
+-- Whether ``n`` is among the numbers granted to the lease (grant_numbers), as a function.
+local function granted_numbers(lease)
+  local ranges = {}
+  for x in string.gmatch(redis.call('HGET', K_STATE, 'numbers:' .. lease) or '', '%d+') do
+    ranges[#ranges + 1] = tonumber(x)
+  end
+  return function(n)
+    for i = 1, #ranges, 2 do
+      if n >= ranges[i] and n <= ranges[i + 1] then return true end
+    end
+    return false
+  end
+end
+
 -- Gives an ended lease's reserve back to the free list, scanning the pool's reserve hash
 -- from where the previous call stopped (K_STATE "reclaim:<lease>") for about ``budget``
 -- fields; returns how many blocks it gave back and whether the reserve is all back.
@@ -52,16 +86,16 @@ local function reclaim_reserve(lease, budget)
 end
 
 -- Checks a Sync's pool part (p: pool, epoch, lease_id, lease_left_ms): the epoch and
--- the lease. Returns the pool's epoch, num_blocks, block_size and whether the lease must
--- be attached to the pool (``resyncing``: see lease_in_pool).
+-- the lease. Returns the pool's epoch, num_blocks, block_size, whether the lease must
+-- be attached to the pool (``resyncing``: see lease_in_pool) and the pool's generation.
 local function check_sync_target(p, resyncing)
-  local epoch, num_blocks, bs = pool_meta(p.pool)
+  local epoch, num_blocks, bs, gen = pool_meta(p.pool)
   if p.epoch ~= epoch then
     bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ' is at epoch ' .. epoch .. ', not ' ..
       string.format('%d', p.epoch) .. ' (re-registered since)', {reason = 'EPOCH_CHANGED', epoch = epoch})
   end
   local attach = lease_in_pool(p.pool, p.lease_id, p.lease_left_ms, now_ms(), true, resyncing)
-  return epoch, num_blocks, bs, attach
+  return epoch, num_blocks, bs, attach, gen
 end
 
 -- The keep-alive's side of a Sync in this pool (as lease_touch), first, whatever becomes
