@@ -1,4 +1,5 @@
-"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, limits, shards, demo, simulate."""
+"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, limits, shards, many-pools,
+demo, simulate."""
 
 from __future__ import annotations
 
@@ -161,6 +162,12 @@ def _shards(args: argparse.Namespace) -> int:
     return shards_main(args)
 
 
+def _many_pools(args: argparse.Namespace) -> int:
+    from kvservice.tools.manypools import main as many_pools_main
+
+    return many_pools_main(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvservice.engine.demo import main as demo_main
 
@@ -299,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       "6 and 12 shards", description=shards_description)
     shards_arguments(p)
     p.set_defaults(func=_shards)
+
+    from kvservice.tools.manypools import __doc__ as many_pools_doc, add_arguments as many_pools_arguments
+
+    p = sub.add_parser("many-pools", help="measure what many registered pools cost on a private Redis: ListPools "
+                                          "and the audit at three sizes, an idle replica's CPU, the longest script "
+                                          "call", description=many_pools_doc,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    many_pools_arguments(p)
+    p.set_defaults(func=_many_pools)
 
     p = sub.add_parser("up", help="start an embedded Redis, an allocator, N model workers and, with --http, the "
                                   "OpenAI-compatible HTTP API; run until Ctrl-C")

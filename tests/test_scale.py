@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 import threading
+import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -92,6 +94,61 @@ def test_the_sdk_sees_every_pool(crowded):
     server, _, epochs = crowded
     with Client(server.target, keepalive=False) as client:
         assert sorted(p.pool_id for p in client.pools()) == sorted(epochs)
+
+
+def _counting_reaps(server: ServerThread) -> list[str]:
+    """The pools of every reap script call ``server`` makes from now on (its real store)."""
+    swept: list[str] = []
+    store = server.store
+    reap = store.reap
+
+    async def counted(pool_id: str, **kwargs):
+        swept.append(pool_id)
+        return await reap(pool_id, **kwargs)
+
+    store.reap = counted
+    return swept
+
+
+def test_an_idle_replica_sweeps_each_pool_once_per_recheck_not_at_every_tick(crowded):
+    """A replica with 1,000 pools and no lease: ticks every 0.05 s, each pool swept once per
+    ``reap_recheck`` (1 s here), not at every tick (what would be 20,000 calls a second)."""
+    server, _, epochs = crowded
+    settings = TEST_SETTINGS.replace(reap_interval=0.05, reap_recheck=1.0)
+    with ServerThread(server.redis_url, settings) as replica:
+        swept = _counting_reaps(replica)
+        time.sleep(3.0)
+    per_pool = Counter(swept)
+    assert set(per_pool) == set(epochs), "a pool went unswept for 3 rechecks"
+    assert max(per_pool.values()) <= 4 and len(swept) <= 3.5 * NUM_POOLS, per_pool.most_common(3)
+
+
+def test_a_lease_is_reaped_on_time_by_its_replica_and_within_a_recheck_by_another(crowded):
+    """Two replicas, 1,000 pools, leases of TTL 1 s in one pool each. A lease that the
+    reaping replica served (it attached the lease there) is reaped at its deadline, although
+    that pool was not due; one that only the other replica (which does not reap) served is
+    reaped within ``reap_recheck`` (2 s) of its deadline."""
+    server, _, _ = crowded        # (reap=False: it serves the second lease and reaps nothing)
+    settings = TEST_SETTINGS.replace(reap_interval=0.05, reap_recheck=2.0)
+    with ServerThread(server.redis_url, settings) as replica:
+        time.sleep(2.5)                # (every pool swept once: the next sweeps are 2 s apart)
+        reaped = {}
+        clients = {}
+        for name, target, pool in (("known", replica.target, "p0500"), ("unknown", server.target, "p0501")):
+            c = Client(target, tenant="t", lease_ttl=1.0, keepalive=False)
+            c.create([1, 2, 3, 4, 5], pool=pool)
+            clients[name] = (c, pool, time.monotonic())
+        deadline = time.monotonic() + 10
+        while len(reaped) < 2 and time.monotonic() < deadline:
+            for name, (c, pool, t0) in clients.items():
+                if name not in reaped and c.pool_stats(pool).num_sequences == 0:
+                    reaped[name] = time.monotonic() - t0
+            time.sleep(0.02)
+        for c, _, _ in clients.values():
+            c.close()
+    assert set(reaped) == {"known", "unknown"}, reaped
+    assert reaped["known"] < 1.0 + 0.5, reaped
+    assert reaped["unknown"] < 1.0 + 2.0 + 0.5, reaped
 
 
 def _rss_mb(pid: int) -> float:

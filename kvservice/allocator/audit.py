@@ -29,6 +29,9 @@ from kvservice.errors import InvalidArgument, NotFound
 if TYPE_CHECKING:
     from kvservice.allocator.core import Allocator
 
+#: Pools audited at once (each pool's snapshot is read in many small round trips).
+AUDIT_CONCURRENCY = 8
+
 
 def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None = None) -> list[str]:
     """Returns the list of broken invariants (empty when the pool is consistent).
@@ -267,18 +270,27 @@ async def run_audit(allocator: Allocator, pool_id: str = "", *,
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
     pools = [pool_id] if pool_id else await allocator.store.pool_ids()
+    limit = asyncio.Semaphore(AUDIT_CONCURRENCY)
+
+    async def one(p: str) -> tuple[list[str], list[LeaseHoldings], PoolInfo] | None:
+        async with limit:
+            snap = await allocator.store.snapshot(p)
+            if snap is None:
+                if pool_id:
+                    raise NotFound(f"pool {pool_id} is not registered")
+                return None
+            # (the check is Python over the whole snapshot: in a thread, so that the
+            # replica's event loop goes on serving meanwhile)
+            found = await asyncio.to_thread(audit_pool, p, snap, snap["counts"])
+            return found, lease_holdings(p, snap) if holdings is not None else [], \
+                allocator.pool_info(p, snap["counts"])
+
     problems: list[str] = []
     infos: list[PoolInfo] = []
-    for p in pools:
-        snap = await allocator.store.snapshot(p)
-        if snap is None:
-            if pool_id:
-                raise NotFound(f"pool {pool_id} is not registered")
-            continue
-        # (the check is Python over the whole snapshot: in a thread, so that the replica's
-        # event loop goes on serving meanwhile)
-        problems += await asyncio.to_thread(audit_pool, p, snap, snap["counts"])
-        if holdings is not None:
-            holdings.extend(lease_holdings(p, snap))
-        infos.append(await allocator.describe_pool(p))
+    for done in await asyncio.gather(*(one(p) for p in pools)):
+        if done is not None:
+            problems += done[0]
+            if holdings is not None:
+                holdings.extend(done[1])
+            infos.append(done[2])
     return problems, infos

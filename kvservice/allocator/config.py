@@ -42,8 +42,12 @@ class Settings(EnvSettings):
     redis_wait_timeout_ms: int = 100
     #: The largest request or reply, in MiB (a larger request is refused before it is read).
     max_message_mb: int = 16
-    #: Seconds between sweeps of expired leases.
+    #: Seconds between sweeps of expired leases (each sweeps the pools that are due:
+    #: ``kvservice/allocator/reaping.py``).
     reap_interval: float = 0.5
+    #: The longest a pool goes unswept (seconds): how late, at worst, a lease is reaped
+    #: when the replica that served it died before it (a revoked lease is reaped at once).
+    reap_recheck: float = 30.0
     #: How long a request_id's outcome is kept for retries (seconds).
     request_ttl: float = 600.0
     #: "tenant": each tenant's prompts hash with its own salt; "global": one cache for all.
@@ -133,8 +137,8 @@ class Settings(EnvSettings):
         for name in ("quota_blocks", "quota_sequences", "quota_leases"):
             check_in_range(name, getattr(self, name), 0, 2**31 - 1)
         tenant_quotas(self.quotas)
-        check_positive(self, "reap_interval", "request_ttl", "min_lease_ttl", "max_lease_ttl", "lease_tombstone",
-                       "metrics_exporter_ttl", "redis_pool_timeout")
+        check_positive(self, "reap_interval", "reap_recheck", "request_ttl", "min_lease_ttl", "max_lease_ttl",
+                       "lease_tombstone", "metrics_exporter_ttl", "redis_pool_timeout")
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
         check_in_range("redis_wait_replicas", self.redis_wait_replicas, 0, 16)
         check_in_range("redis_wait_timeout_ms", self.redis_wait_timeout_ms, 1, 60_000)

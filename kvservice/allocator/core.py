@@ -13,6 +13,7 @@ import base64
 import hashlib
 import logging
 import secrets
+import time
 from typing import Any
 
 from kvservice import errors
@@ -20,6 +21,7 @@ from kvservice.allocator.config import Settings, cache_groups, tenant_quotas
 from kvservice.allocator.domain import TENANT, Heartbeat, LeaseInfo, PoolInfo
 from kvservice.allocator.checks import (MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint,
                                         geometry_of, lease_info)
+from kvservice.allocator.reaping import ReapSchedule
 from kvservice.allocator.reserves import ReserveOps
 from kvservice.allocator.steps import FAN_OUT, StepOps
 from kvservice.allocator.store import Store
@@ -45,6 +47,7 @@ class Allocator(StepOps, ReserveOps):
         self.store = store
         self.settings = settings or Settings()
         self._geometry: dict[str, tuple[int, Geometry]] = {}
+        self.reap_schedule = ReapSchedule(self.settings.reap_recheck)
         self._leases: dict[str, tuple[str, set[str]]] = {}   # lease -> (tenant, attached pools)
         self._sequence_ids: dict[str, tuple[str, int, int, str, str, str]] = {}   # parsed ids of recent steps
         #: Leases this replica granted (retries of one request count once); read by metrics.
@@ -196,8 +199,9 @@ class Allocator(StepOps, ReserveOps):
         return lease_info(reply)
 
     async def _kept_alive(self, reply: dict[str, Any]) -> None:
-        """A keep-alive's reply: the lease's new deadline in its tenant's live leases, where
-        the tenant has a lease quota."""
+        """A keep-alive's reply: the lease's new deadline in the reaper's schedule of its
+        pools, and in its tenant's live leases where the tenant has a lease quota."""
+        self.reap_schedule.expect(reply["pools"], reply["ttl_ms"])
         if self.quota(reply["tenant"])["leases"]:
             await self.store.tenant_leases(reply["tenant"], "touch", reply["lease_id"],
                                            left_ms=reply["ttl_ms"])
@@ -224,31 +228,38 @@ class Allocator(StepOps, ReserveOps):
         return freed
 
     async def reap(self) -> dict[str, int]:
-        """Frees the sequences of every expired lease in every pool (idempotent). A pool
+        """Frees the sequences of every expired lease in the pools whose sweep is due
+        (``reaping.ReapSchedule``), idempotently. A pool
         whose Redis (shard) is unreachable is skipped and logged: the others are reaped all
         the same (on a Redis Cluster, while one shard fails over)."""
         total = {"leases": 0, "sequences": 0}
         failed: list[tuple[str, BaseException]] = []
         limit = asyncio.Semaphore(REAP_CONCURRENCY)
+        schedule = self.reap_schedule
 
         async def reap_pool(pool_id: str) -> None:
             async with limit:
                 for _ in range(1000):
+                    started = time.monotonic()
                     try:
                         reply = await asyncio.wait_for(
                             self.store.reap(pool_id, tombstone_ms=self._tombstone_ms()), REAP_CALL_TIMEOUT)
                     except errors.NotFound:
+                        schedule.forget(pool_id)
                         return
                     except (*REDIS_DOWN, errors.Unavailable, asyncio.TimeoutError) as exc:
                         failed.append((pool_id, exc))
+                        schedule.retry(pool_id)
                         return
                     total["leases"] += reply["leases"]
                     total["sequences"] += reply["sequences"]
                     if not reply["more"]:
+                        schedule.swept(pool_id, started, int(reply["next_ms"]))
                         return
 
+        pools = await self.store.pool_ids(cached=True)
         # (concurrently: a shard that hangs while it fails over holds back its pools only)
-        await asyncio.gather(*(reap_pool(p) for p in await self.store.pool_ids(cached=True)))
+        await asyncio.gather(*(reap_pool(p) for p in schedule.due(pools)))
         for pool_id, exc in failed:
             log.warning("reaper: pool %s skipped, its Redis is unreachable: %s", pool_id,
                         exc if str(exc) else type(exc).__name__)
@@ -265,6 +276,7 @@ class Allocator(StepOps, ReserveOps):
         if cached is not None and cached[1].issuperset(pools):
             return cached[0], 0
         reply = await self.store.attach_lease(lease_id, pools, self._tombstone_ms())
+        self.reap_schedule.expect(pools, reply["left_ms"])
         tenant = reply["tenant"]
         if len(self._leases) > 100_000:
             self._leases.clear()

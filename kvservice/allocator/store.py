@@ -529,7 +529,8 @@ class Store:
         raise errors.Unavailable(f"sequence {n} of pool {pool_id} changed during each read; retry")
 
     async def snapshot(self, pool_id: str, *, piece: int = 1024, attempts: int = 20) -> dict[str, Any] | None:
-        """Every allocation key of one pool and its counts (for the audit), read in pieces of
+        """Every allocation key of one pool and its counts (for the audit): a pool of at most
+        ``ONE_READ_ENTRIES`` entries in one transaction; a larger one in pieces of
         about ``piece`` entries (HSCAN, ZSCAN, LRANGE: no command holds Redis long), as one
         consistent state: the pool's epoch and change counter (``state.version``, which
         every script that changes the pool raises) are read before and after, and the read
@@ -569,7 +570,32 @@ class Store:
                 if len(part) < piece:
                     return out
 
-        for _ in range(attempts):
+        async def size() -> int:
+            async with r.pipeline(transaction=True) as pipe:
+                for name in POOL_KEY_SIZES:
+                    getattr(pipe, POOL_KEY_SIZES[name])(k[name])
+                return sum(await pipe.execute())
+
+        async def whole() -> list[Any]:
+            """The pool in one transaction: its 15 keys, then its counts."""
+            async with r.pipeline(transaction=True) as pipe:
+                for name, how in (("meta", "h"), ("state", "h"), ("free", "l"), ("evict", "z"), ("ref", "h"),
+                                  ("h2b", "h"), ("b2h", "h"), ("seqs", "h"), ("leases", "z"), ("lseq", "z"),
+                                  ("stats", "h"), ("tabs", "h"), ("reserve", "h"), ("journal", "h"), ("held", "h")):
+                    if how == "h":
+                        pipe.hgetall(k[name])
+                    elif how == "l":
+                        pipe.lrange(k[name], 0, -1)
+                    else:
+                        pipe.zrange(k[name], 0, -1, withscores=True)
+                self._queue_counts(pipe, pool_id)
+                res = await pipe.execute()
+            res[9] = [m for m, _ in res[9]]
+            return res
+
+        # A small pool (most of them) in one transaction; a large one in pieces.
+        read = await whole() if await size() <= ONE_READ_ENTRIES else None
+        for _ in range(attempts if read is None else 0):
             before = await stamp()
             if before[0] is None:
                 return None
@@ -583,32 +609,20 @@ class Store:
                 self._queue_counts(pipe, pool_id)
                 counts = await pipe.execute()
             if await stamp() == before:
+                read = [meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal,
+                        held, *counts]
                 break
         else:
-            # Busy throughout: a small pool is read in one transaction instead (a few ms of
-            # Redis); a large one waits for a quieter moment.
-            async with r.pipeline(transaction=True) as pipe:
-                for name in POOL_KEY_SIZES:
-                    getattr(pipe, POOL_KEY_SIZES[name])(k[name])
-                size = sum(await pipe.execute())
-            if size > SMALL_POOL_ENTRIES:
-                raise errors.Unavailable(f"pool {pool_id} changed during each of {attempts} reads of its state "
-                                         f"({size} entries: read in pieces; retry when it is quieter)")
-            async with r.pipeline(transaction=True) as pipe:
-                for name, how in (("meta", "h"), ("state", "h"), ("free", "l"), ("evict", "z"), ("ref", "h"),
-                                  ("h2b", "h"), ("b2h", "h"), ("seqs", "h"), ("leases", "z"), ("lseq", "z"),
-                                  ("stats", "h"), ("tabs", "h"), ("reserve", "h"), ("journal", "h"), ("held", "h")):
-                    if how == "h":
-                        pipe.hgetall(k[name])
-                    elif how == "l":
-                        pipe.lrange(k[name], 0, -1)
-                    else:
-                        pipe.zrange(k[name], 0, -1, withscores=True)
-                self._queue_counts(pipe, pool_id)
-                res = await pipe.execute()
-            meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal, held = res[:15]
-            lseq = [m for m, _ in lseq]
-            counts = res[15:]
+            if read is None:
+                # Busy throughout: a small pool is read in one transaction instead (a few ms
+                # of Redis); a large one waits for a quieter moment.
+                entries = await size()
+                if entries > SMALL_POOL_ENTRIES:
+                    raise errors.Unavailable(f"pool {pool_id} changed during each of {attempts} reads of its state "
+                                             f"({entries} entries: read in pieces; retry when it is quieter)")
+                read = await whole()
+        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal, held = read[:15]
+        counts = read[15:]
         if not meta or b"num_blocks" not in meta:
             return None
         # (decoded in a thread: a large pool's entries would hold the event loop)
@@ -623,6 +637,8 @@ POOL_KEY_SIZES = {"free": "llen", "evict": "zcard", "ref": "hlen", "h2b": "hlen"
 #: A pool this small (entries in all) is read in one transaction when it is too busy to be read
 #: in pieces: a few ms of Redis.
 SMALL_POOL_ENTRIES = 20_000
+#: A pool this small is read in one transaction at once (well under a millisecond of Redis).
+ONE_READ_ENTRIES = 2_048
 
 
 def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2b: Any, b2h: Any, seqs: Any,

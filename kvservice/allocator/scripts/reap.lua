@@ -11,8 +11,9 @@
 ---   the next call; what is left of it, 256 at least, bounds the scan of the reserve hash
 ---   for an ended lease's reserve), tombstone_ms}
 --- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
----   freed), reserved (reserve blocks reclaimed), more (whether work is left)}; or an
----   error (lib/codec): NOT_FOUND.
+---   freed), reserved (reserve blocks reclaimed), more (whether work is left), next_ms
+---   (time left until the earliest lease deadline in the pool passes, 0 if it has; -1: no
+---   lease there)}; or an error (lib/codec): NOT_FOUND.
 --- @include "lib/time"
 --- @include "lib/runs"
 
@@ -99,7 +100,7 @@ for _, lease in ipairs(expired) do
       redis.call('ZREM', K_LEASES, lease)
       nleases = nleases + 1
       redis.call('HDEL', K_JOURNAL, lease)
-      redis.call('HDEL', K_STATE, 'resync:' .. lease)   -- (a resync it left unfinished)
+      redis.call('HDEL', K_STATE, 'resync:' .. lease, 'numbers:' .. lease)   -- (a resync it left unfinished)
       held_drop(lease)
     else
       held_write(held_load(lease), -got, 0)
@@ -132,4 +133,7 @@ end
 redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
 if #expired > 0 then changed() end
 incr_stats(stats)
-return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, reserved = reserved, more = more})
+local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
+local next_ms = first[2] and math.max(tonumber(first[2]) - now, 0) or -1
+return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, reserved = reserved, more = more,
+              next_ms = next_ms})
