@@ -1,5 +1,5 @@
-"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, limits, shards, many-pools,
-demo, simulate."""
+"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, limits,
+shards, many-pools, demo, simulate."""
 
 from __future__ import annotations
 
@@ -162,6 +162,12 @@ def _shards(args: argparse.Namespace) -> int:
     return shards_main(args)
 
 
+def _bench_serving(args: argparse.Namespace) -> int:
+    from kvservice.tools.bench_serving import main as bench_serving_main
+
+    return bench_serving_main(args)
+
+
 def _many_pools(args: argparse.Namespace) -> int:
     from kvservice.tools.manypools import main as many_pools_main
 
@@ -298,6 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "create_cached_1m_ms)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
+
+    from kvservice.tools.bench_serving import __doc__ as serving_doc, add_arguments as serving_arguments
+
+    p = sub.add_parser("bench-serving", help="drive the HTTP API of a local stack with concurrent streaming chats "
+                                             "(the openai client), and vLLM's server beside it with --vllm-python; "
+                                             "print tokens/s and time to first token", description=serving_doc,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    serving_arguments(p)
+    p.set_defaults(func=_bench_serving)
 
     from kvservice.tools.shards import DESCRIPTION as shards_description, add_arguments as shards_arguments
 

@@ -116,7 +116,7 @@ def test_server_refuses_a_foreign_lease(server, client, pool):
                          pb.FreeSequencesRequest(lease_id=client.lease_id, sequence_ids=[seq.id.partition("-")[0]]))
 
 
-def test_create_without_a_pool_prefers_the_longest_cached_prefix_then_free_blocks(client):
+def test_create_without_a_pool_goes_where_its_cached_prefix_saves_most_then_to_free_blocks(client):
     client.register_pool("big", num_blocks=128, block_size=BS)
     client.register_pool("small", num_blocks=32, block_size=BS)
     first = client.create(list(range(50)))
@@ -125,6 +125,24 @@ def test_create_without_a_pool_prefers_the_longest_cached_prefix_then_free_block
     again = client.create(list(range(1000, 1050)))
     assert again.pool == "small" and again.num_cached_tokens == 32
     warm.free()
+
+
+def test_creates_without_a_pool_sharing_a_prefix_spread_over_the_pools_by_their_load(client):
+    """Placement's cost (docs/allocator.md, "Placement"): the tokens a pool would compute
+    plus a block's worth per sequence it serves. Twelve prompts sharing a 3-block prefix
+    cached in one pool do not all land there: each pool takes six, and the second pool
+    caches the prefix for its own from its first."""
+    client.register_pool("p0", num_blocks=256, block_size=BS)
+    client.register_pool("p1", num_blocks=256, block_size=BS)
+    shared = list(range(5000, 5000 + 3 * BS))
+    warm = client.create(shared + [1], pool="p0")
+    made = [client.create(shared + [100 + i, 200 + i]) for i in range(12)]
+    counts = {p: sum(s.pool == p for s in made) for p in ("p0", "p1")}
+    assert counts == {"p0": 6, "p1": 6}, counts
+    assert all(s.num_cached_tokens == 3 * BS for s in made if s.pool == "p0")
+    assert sorted(s.num_cached_tokens for s in made if s.pool == "p1") == [0] + [3 * BS] * 5
+    for s in [warm, *made]:
+        s.free()
 
 
 def test_the_suites_allocator_takes_tls_and_a_token_only(server):

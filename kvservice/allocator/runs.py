@@ -44,19 +44,19 @@ class RunOps:
 
     # ------------------------------------------------------------ probes
 
-    async def _probe_prefix(self, pool_id: str, epoch: int, hashes: list[str]) -> tuple[int, int, int]:
+    async def _probe_prefix(self, pool_id: str, epoch: int, hashes: list[str]) -> tuple[int, int, int, int]:
         """How much of a chain of hashes the pool caches from the start, in bounded calls:
-        (hit blocks, hit blocks that other tables reference, blocks available)."""
-        hits = referenced = available = 0
+        (hit blocks, hit blocks that other tables reference, blocks available, sequences)."""
+        hits = referenced = available = sequences = 0
         for i in range(0, max(len(hashes), 1), PROBE_CHUNK):
             part = hashes[i:i + PROBE_CHUNK]
             reply = await self.store.probe(pool_id, epoch, part)
             hits += reply["hits"]
             referenced += reply["referenced"]
-            available = reply["available"]
+            available, sequences = reply["available"], reply["sequences"]
             if reply["hits"] < len(part):
                 break
-        return hits, referenced, available
+        return hits, referenced, available, sequences
 
     # ------------------------------------------------------------ runs
 
@@ -133,7 +133,7 @@ class RunOps:
         num_tokens = len(data) // 4
         total = -(-num_tokens // bs)
         hs = [h.hex() for h in hashes]
-        _, referenced, _ = await self._probe_prefix(pool_id, epoch, hs[:(num_tokens - 1) // bs])
+        _, referenced, _, _ = await self._probe_prefix(pool_id, epoch, hs[:(num_tokens - 1) // bs])
         payload = self._run_base("create", pool_id, epoch, lease_id, tenant, lease_left, run_id, print_)
         payload.update(num_tokens=num_tokens, root_hash=root.hex(), expect=total - referenced, hold=hold,
                        hashes=hs[:self.settings.max_blocks_per_call], all_hashes=hs)
@@ -339,7 +339,7 @@ class RunOps:
         (read only when they are more than one call takes, or ``always``), before any of
         them is staged."""
         if always or least > self.settings.max_blocks_per_call:
-            _, _, available = await self._probe_prefix(pool_id, epoch, [])
+            _, _, available, _ = await self._probe_prefix(pool_id, epoch, [])
             if least > available:
                 raise errors.ResourceExhausted(f"pool {pool_id}: needed {least} blocks, {available} available",
                                                needed=least, available=available, pool_id=pool_id)

@@ -274,18 +274,22 @@ class StepOps(RunOps):
                                   tenant, lease_left, request_id, digest)
 
     async def _place(self, c: Create, data: bytes, tenant: str) -> str:
-        """The pool with the longest cached prefix of ``c``, then the most free blocks."""
+        """The pool where ``c`` costs least (docs/allocator.md, "Placement"): the prompt
+        tokens it would compute there (those its cached prefix does not cover) plus a
+        block's worth of tokens per sequence the pool already serves (each one a token
+        of every step's work); then the most free + evictable blocks, the smallest id."""
         root = hashing.root_hash(self._salt(tenant), c.extra_key)
+        num_tokens = len(data) // 4
 
         async def score(pool_id: str) -> tuple[int, int, str] | None:
             try:
                 epoch, geo = await self.geometry(pool_id)
             except errors.NotFound:
                 return None
-            max_hit = (len(data) // 4 - 1) // geo.block_size
+            max_hit = (num_tokens - 1) // geo.block_size
             hs = [h.hex() for h in hashing.chain_hashes(root, data, geo.block_size, max_hit)]
-            hits, _, available = await self._probe_prefix(pool_id, epoch, hs)
-            return hits * geo.block_size, available, pool_id
+            hits, _, available, sequences = await self._probe_prefix(pool_id, epoch, hs)
+            return num_tokens - hits * geo.block_size + sequences * geo.block_size, -available, pool_id
 
         scored: list[tuple[int, int, str]] = []
         for cached in (True, False):     # this replica's recent list; the registry if that has none
@@ -296,8 +300,7 @@ class StepOps(RunOps):
                 break
         if not scored:
             raise errors.FailedPrecondition("no pool is registered")
-        # Most cached tokens, then most blocks available, then the smallest pool id.
-        return min(scored, key=lambda x: (-x[0], -x[1], x[2]))[2]
+        return min(scored)[2]
 
     def _collect_applied(self, pool_id: str, items: dict[str, list], applied: dict[int, dict[str, Any]],
                          outcome: StepOutcome) -> None:

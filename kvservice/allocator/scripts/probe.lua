@@ -5,8 +5,9 @@
 --- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch, block_hashes = [hash hex of each block a hit may cover]}
 --- Returns msgpack {epoch, hits (leading blocks cached), referenced (how many of those are
----   held by block tables: a create shares them without taking a block), available}; or
----   an error (lib/codec): NOT_FOUND.
+---   held by block tables: a create shares them without taking a block), available,
+---   sequences (the pool's sequences: its load, for placement)}; or an error (lib/codec):
+---   NOT_FOUND.
 --- @include "lib/pool"
 --- @include "lib/chunked"
 
@@ -28,6 +29,7 @@ local _, res = guarded(function()
       end
     end
   end
-  return reply({epoch = epoch, hits = hits, referenced = referenced, available = available_now(num_blocks)})
+  return reply({epoch = epoch, hits = hits, referenced = referenced, available = available_now(num_blocks),
+                sequences = redis.call('HLEN', K_SEQS)})
 end)
 return res
