@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from kvservice.allocator.config import Settings
 
@@ -162,18 +163,6 @@ def _shards(args: argparse.Namespace) -> int:
     return shards_main(args)
 
 
-def _bench_serving(args: argparse.Namespace) -> int:
-    from kvservice.tools.bench_serving import main as bench_serving_main
-
-    return bench_serving_main(args)
-
-
-def _many_pools(args: argparse.Namespace) -> int:
-    from kvservice.tools.manypools import main as many_pools_main
-
-    return many_pools_main(args)
-
-
 def _demo(args: argparse.Namespace) -> int:
     from kvservice.engine.demo import main as demo_main
 
@@ -228,6 +217,15 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
         print("stopped.", flush=True)
+
+
+def _tool(sub: Any, name: str, module: Any, help_: str) -> None:
+    """A measuring tool's subcommand: its module's docstring as the description, its
+    ``add_arguments`` and ``main``."""
+    p = sub.add_parser(name, help=help_, description=module.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.set_defaults(func=module.main)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,14 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
-    from kvservice.tools.bench_serving import __doc__ as serving_doc, add_arguments as serving_arguments
+    from kvservice.tools import bench_serving, manypools
 
-    p = sub.add_parser("bench-serving", help="drive the HTTP API of a local stack with concurrent streaming chats "
-                                             "(the openai client), and vLLM's server beside it with --vllm-python; "
-                                             "print tokens/s and time to first token", description=serving_doc,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    serving_arguments(p)
-    p.set_defaults(func=_bench_serving)
+    _tool(sub, "bench-serving", bench_serving, "drive the HTTP API of a local stack with concurrent streaming chats "
+          "(the openai client), and vLLM's server beside it with --vllm-python; print tokens/s and time to first "
+          "token")
 
     from kvservice.tools.shards import DESCRIPTION as shards_description, add_arguments as shards_arguments
 
@@ -322,14 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     shards_arguments(p)
     p.set_defaults(func=_shards)
 
-    from kvservice.tools.manypools import __doc__ as many_pools_doc, add_arguments as many_pools_arguments
-
-    p = sub.add_parser("many-pools", help="measure what many registered pools cost on a private Redis: ListPools "
-                                          "and the audit at three sizes, an idle replica's CPU, the longest script "
-                                          "call", description=many_pools_doc,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    many_pools_arguments(p)
-    p.set_defaults(func=_many_pools)
+    _tool(sub, "many-pools", manypools, "measure what many registered pools cost on a private Redis: ListPools and "
+          "the audit at three sizes, an idle replica's CPU, the longest script call")
 
     p = sub.add_parser("up", help="start an embedded Redis, an allocator, N model workers and, with --http, the "
                                   "OpenAI-compatible HTTP API; run until Ctrl-C")

@@ -126,9 +126,10 @@ def _free_port() -> int:
 
 
 def measure_vllm(args: argparse.Namespace) -> dict[str, Any]:
-    from worker.weights import converted
-
-    folder = converted(MODEL, progress)
+    # (the model cache's folder, converted once, as the stack's workers use it: kvservice
+    # itself imports nothing of the worker's)
+    folder = subprocess.run([sys.executable, "-m", "worker.weights", MODEL], check=True, stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True).stdout.strip()
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
