@@ -7,6 +7,7 @@ settles it first (no wedge, no orphan), and a stall shorter than the budget fail
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -22,10 +23,17 @@ from helpers import TEST_SETTINGS, ServerThread, audit, snapshot, stats
 BS = 4
 
 
-def lost(redis_url: str, hang: float) -> tuple[DroppingServer, DropReply]:
+@contextlib.contextmanager
+def losing(redis_url: str, hang: float, local: bool = False):
+    """An allocator that loses (``hang`` 0: UNAVAILABLE; else holds past the deadline) every
+    Step reply while its dropper is armed, pool p0 registered, and a client of it; yields
+    ``(dropper, client)``."""
     dropper = DropReply("Step", every=True, hang=hang)
-    server = DroppingServer(redis_url, dropper)
-    return server, dropper
+    with DroppingServer(redis_url, dropper) as server:
+        with Client(server.target, tenant="admin") as admin:
+            admin.register_pool("p0", num_blocks=64, block_size=BS)
+        with client_of(server, local) as c:
+            yield dropper, c
 
 
 def client_of(server, local: bool = False) -> Client:
@@ -39,89 +47,68 @@ def records_of(redis_url: str, c: Client) -> dict[int, dict]:
 
 @pytest.mark.parametrize("hang", [0.0, 1.2], ids=["unavailable", "deadline"])
 def test_a_growth_step_whose_replies_are_lost_returns_its_first_outcome_when_retried(redis_url, hang):
-    server, dropper = lost(redis_url, hang)
-    with server:
-        with Client(server.target, tenant="admin") as admin:
-            admin.register_pool("p0", num_blocks=64, block_size=BS)
-        c = client_of(server)
-        try:
-            s = c.create(list(range(1, 7)), pool="p0")
-            tokens = list(range(10, 20))               # across three blocks: growth
-            dropper.armed = True
-            with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
-                s.append(tokens)
-            dropper.armed = False
-            attempts = dropper.handled
-            assert attempts >= 2 and s.num_tokens == 6      # applied (and resent), not applied here
-            s.append(tokens)                            # the caller retries the same step
-            assert s.num_tokens == 16 and len(s.block_table) == 4
-            view = c.get(s.id)
-            assert (list(view.block_table), view.num_tokens) == (s.block_table, 16)
-            assert stats(redis_url, "p0")["num_used_blocks"] == 4     # no block taken twice
-            s.append([30, 31])                          # and it goes on
-            s.free()
-            assert stats(redis_url, "p0")["num_used_blocks"] == 0
-            assert audit(redis_url) == []
-        finally:
-            c.close()
+    with losing(redis_url, hang) as (dropper, c):
+        s = c.create(list(range(1, 7)), pool="p0")
+        tokens = list(range(10, 20))               # across three blocks: growth
+        dropper.armed = True
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+            s.append(tokens)
+        dropper.armed = False
+        attempts = dropper.handled
+        assert attempts >= 2 and s.num_tokens == 6      # applied (and resent), not applied here
+        s.append(tokens)                            # the caller retries the same step
+        assert s.num_tokens == 16 and len(s.block_table) == 4
+        view = c.get(s.id)
+        assert (list(view.block_table), view.num_tokens) == (s.block_table, 16)
+        assert stats(redis_url, "p0")["num_used_blocks"] == 4     # no block taken twice
+        s.append([30, 31])                          # and it goes on
+        s.free()
+        assert stats(redis_url, "p0")["num_used_blocks"] == 0
+        assert audit(redis_url) == []
 
 
 def test_a_growth_step_whose_replies_are_lost_does_not_wedge_its_sequence(redis_url):
     """The caller does something else: the step in doubt is settled first (sent again, then
     the pool resynchronised to the client's view), and the free goes through."""
-    server, dropper = lost(redis_url, 0.0)
-    with server:
-        with Client(server.target, tenant="admin") as admin:
-            admin.register_pool("p0", num_blocks=64, block_size=BS)
-        c = client_of(server)
-        try:
-            s = c.create(list(range(1, 7)), pool="p0")
-            other = c.create(list(range(50, 57)), pool="p0")
-            dropper.armed = True
-            with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
-                s.append(list(range(10, 20)))
-            dropper.armed = False
-            other.append([60, 61, 62])                 # another step: the doubt settles first
-            view = c.get(s.id)
-            assert (list(view.block_table), view.num_tokens) == (s.block_table, 6)
-            s.free()
-            assert set(records_of(redis_url, c)) == {other.number}
-            other.free()
-            assert stats(redis_url, "p0")["num_used_blocks"] == 0
-            assert audit(redis_url) == []
-        finally:
-            c.close()
+    with losing(redis_url, 0.0) as (dropper, c):
+        s = c.create(list(range(1, 7)), pool="p0")
+        other = c.create(list(range(50, 57)), pool="p0")
+        dropper.armed = True
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+            s.append(list(range(10, 20)))
+        dropper.armed = False
+        other.append([60, 61, 62])                 # another step: the doubt settles first
+        view = c.get(s.id)
+        assert (list(view.block_table), view.num_tokens) == (s.block_table, 6)
+        s.free()
+        assert set(records_of(redis_url, c)) == {other.number}
+        other.free()
+        assert stats(redis_url, "p0")["num_used_blocks"] == 0
+        assert audit(redis_url) == []
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["remote", "local"])
 def test_a_create_whose_replies_are_lost_returns_its_sequence_when_retried_and_leaves_no_orphan(redis_url, local):
-    server, dropper = lost(redis_url, 1.2)
-    with server:
-        with Client(server.target, tenant="admin") as admin:
-            admin.register_pool("p0", num_blocks=64, block_size=BS)
-        c = client_of(server, local)
-        try:
-            prompt = list(range(1, 12))
-            dropper.armed = True
-            with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
-                c.create(prompt, pool="p0")
-            dropper.armed = False
-            (made,) = records_of(redis_url, c)         # made once, its reply never came
-            seq = c.create(prompt, pool="p0")          # the caller retries: the same sequence
-            assert seq.number == made and set(records_of(redis_url, c)) == {made}
-            assert stats(redis_url, "p0")["sequences_created"] == 1
-            # Lost again, and this time the caller moves on: no orphan after its next call.
-            dropper.armed = True
-            with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
-                c.create(list(range(100, 110)), pool="p0")
-            dropper.armed = False
-            assert len(records_of(redis_url, c)) == 2
-            third = c.create(list(range(200, 205)), pool="p0")
-            assert set(records_of(redis_url, c)) == {made, third.number}
-            c.flush()
-            assert audit(redis_url) == []
-        finally:
-            c.close()
+    with losing(redis_url, 1.2, local) as (dropper, c):
+        prompt = list(range(1, 12))
+        dropper.armed = True
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+            c.create(prompt, pool="p0")
+        dropper.armed = False
+        (made,) = records_of(redis_url, c)         # made once, its reply never came
+        seq = c.create(prompt, pool="p0")          # the caller retries: the same sequence
+        assert seq.number == made and set(records_of(redis_url, c)) == {made}
+        assert stats(redis_url, "p0")["sequences_created"] == 1
+        # Lost again, and this time the caller moves on: no orphan after its next call.
+        dropper.armed = True
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+            c.create(list(range(100, 110)), pool="p0")
+        dropper.armed = False
+        assert len(records_of(redis_url, c)) == 2
+        third = c.create(list(range(200, 205)), pool="p0")
+        assert set(records_of(redis_url, c)) == {made, third.number}
+        c.flush()
+        assert audit(redis_url) == []
     assert audit(redis_url) == []
 
 
