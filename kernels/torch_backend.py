@@ -8,6 +8,10 @@ what a query may not see, and folds the chunk into a running max, sum and accumu
 each part keeps its own partials, and a final reduce combines them, as the split-K
 kernel does.
 
+Decode (one query per sequence, no split) takes a shorter path when its blocks fit one
+tile: the blocks are gathered once in the cache's layout and scored block by block, and
+the softmax runs over every block at once (``_decode``); it is what a serving step runs.
+
 Unwritten slots are never read into the result: masked scores are *selected* to -inf
 (``torch.where``, so a NaN in K cannot leak through an addition) and V rows past a
 sequence's length are selected to zero before the multiply (NaN * 0 is NaN).
@@ -21,6 +25,8 @@ from kernels import checks
 
 #: Upper bound, in elements, on the per-step score and K/V tiles; sets the chunk size.
 _TILE_ELEMENTS = 1 << 20
+#: Upper bound, in elements, on the K (and V) blocks the decode path gathers at once.
+_DECODE_TILE_ELEMENTS = 1 << 22
 
 
 class TorchBackend:
@@ -112,17 +118,78 @@ class TorchBackend:
         for i, n in enumerate(q_lens.tolist()):
             if n > 0:
                 buckets.setdefault((n - 1).bit_length(), []).append(i)
-        if len(buckets) == 1 and len(next(iter(buckets.values()))) == num_seqs:
-            rows, _ = self._attend(query, k_cache, v_cache, block_tables, ctx, starts[:-1],
-                                   q_lens, scale, splits)
-            return rows.to(query.dtype)
-        out = query.new_zeros(query.shape)
-        for seqs in buckets.values():
-            idx = torch.tensor(seqs, dtype=torch.long, device=query.device)
-            rows, tokens = self._attend(query, k_cache, v_cache, block_tables[idx], ctx[idx],
-                                        starts[idx], q_lens[idx], scale, splits)
+        out = None
+        for bucket, seqs in buckets.items():
+            if len(seqs) == num_seqs:
+                tables, seq_ctx, seq_starts, seq_lens = block_tables, ctx, starts[:-1], q_lens
+            else:
+                idx = torch.tensor(seqs, dtype=torch.long, device=query.device)
+                tables, seq_ctx, seq_starts, seq_lens = block_tables[idx], ctx[idx], starts[idx], q_lens[idx]
+            if bucket == 0 and splits == 1 and self._decode_fits(k_cache, len(seqs), seq_ctx):
+                rows, tokens = self._decode(query[seq_starts], k_cache, v_cache, tables, seq_ctx, scale), seq_starts
+            else:
+                rows, tokens = self._attend(query, k_cache, v_cache, tables, seq_ctx, seq_starts, seq_lens,
+                                            scale, splits)
+            if len(seqs) == num_seqs and tokens.shape[0] == num_tokens:
+                return rows.to(query.dtype)          # every token, in order
+            if out is None:
+                out = query.new_zeros(query.shape)
             out[tokens] = rows.to(query.dtype)
-        return out
+        return out if out is not None else query.new_zeros(query.shape)
+
+    @staticmethod
+    def _decode_fits(k_cache: torch.Tensor, num_seqs: int, ctx: torch.Tensor) -> bool:
+        """Whether one query per sequence over whole contexts fits the decode path's tiles."""
+        block_elements = k_cache[0].numel()
+        max_blocks = (int(ctx.max()) + k_cache.shape[2] - 1) // k_cache.shape[2]
+        return num_seqs * max_blocks * block_elements <= _DECODE_TILE_ELEMENTS
+
+    @staticmethod
+    def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                ctx: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query per sequence (decode) over its whole context, in one pass.
+
+        The blocks are gathered once in the cache's own layout and scored block by block
+        (a batched product per sequence, block and KV head), so nothing is transposed or
+        copied twice; the softmax runs over all blocks at once. Slots past a sequence's
+        length are selected out of the scores, and their V rows are zeroed before the
+        product (few rows: the last block's tail and table padding).
+
+        Args:
+            query: ``[S, num_heads, head_dim]``, the last token of each sequence.
+            k_cache, v_cache: ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+            block_tables: int32 ``[S, max_num_blocks]``.
+            ctx: int64 ``[S]``, each sequence's context length (>= 1).
+            scale: the softmax scale.
+
+        Returns:
+            fp32 ``[S, num_heads, head_dim]``.
+        """
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads, block_size = k_cache.shape[1:3]
+        group = num_heads // num_kv_heads
+        device = query.device
+        width = int((ctx.max() + block_size - 1) // block_size)
+        logical = torch.arange(width, device=device)
+        seq_blocks = (ctx + block_size - 1) // block_size
+        # Padding entries (any value) become block 0; their slots are masked below.
+        ids = torch.where(logical[None, :] < seq_blocks[:, None], block_tables[:, :width].to(torch.long), 0)
+        batch = num_seqs * width * num_kv_heads
+        k = k_cache.index_select(0, ids.view(-1)).to(torch.float32)             # [S * W, H_kv, B, D]
+        v = v_cache.index_select(0, ids.view(-1)).to(torch.float32)
+        valid = (logical[:, None] * block_size + torch.arange(block_size, device=device)) < ctx[:, None, None]
+        unwritten = (~valid).nonzero(as_tuple=True)                            # (seq, block, slot)
+        v.view(num_seqs, width, num_kv_heads, block_size, head_dim)[unwritten[0], unwritten[1], :, unwritten[2]] = 0.0
+        q = (query.to(torch.float32) * scale).view(num_seqs, 1, num_kv_heads, group, head_dim)
+        q = q.expand(num_seqs, width, num_kv_heads, group, head_dim).reshape(batch, group, head_dim)
+        scores = torch.bmm(q, k.view(batch, block_size, head_dim).transpose(1, 2))
+        scores = scores.view(num_seqs, width, num_kv_heads, group, block_size)
+        scores = torch.where(valid[:, :, None, None, :], scores, float("-inf"))
+        p = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))          # every row sees key 0
+        total = p.sum(dim=(1, 4))                                               # [S, H_kv, G]
+        out = torch.bmm(p.view(batch, group, block_size), v.view(batch, block_size, head_dim))
+        out = out.view(num_seqs, width, num_kv_heads, group, head_dim).sum(dim=1) / total[..., None]
+        return out.view(num_seqs, num_heads, head_dim)
 
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, ctx: torch.Tensor, starts: torch.Tensor,

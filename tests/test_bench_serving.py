@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_bench_serving_streams_concurrent_chats_through_the_http_api():
     out = subprocess.run([sys.executable, "-m", "kvservice", "bench-serving", "--requests", "3", "--max-tokens", "5",
-                          "--workers", "1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+                          "--workers", "1", "--kv-gib", "1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     fig = json.loads(out.stdout)
     assert fig["tokens"] == 3 * 5 and fig["tok_per_s"] > 0 and fig["wall_s"] > 0

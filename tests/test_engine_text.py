@@ -5,6 +5,7 @@ stream, cancel: the blocks come back)."""
 
 from __future__ import annotations
 
+import os
 import urllib.request
 
 import pytest
@@ -59,11 +60,8 @@ def _prompts(tok) -> list[tuple[str, list[int]]]:
     return out
 
 
-def test_greedy_tokens_and_logits_over_two_workers_equal_transformers_generate(stack, engine, reference):
-    tok = engine.tokenizer
-    prompts = _prompts(tok)
-    lengths = sorted(len(p) for _, p in prompts)
-    assert lengths[0] == 1 and lengths[-1] >= 90 and len(prompts) >= 8, lengths
+def _assert_equal_to_transformers(engine: Engine, reference, prompts: list[tuple[str, list[int]]]) -> None:
+    """The engine's greedy tokens equal transformers' ``generate``, its logits within ATOL."""
     report = engine.run([Request(p, max_new_tokens=STEPS, ignore_eos=True, request_id=name) for name, p in prompts])
     assert report.failed == 0
     worst = 0.0
@@ -79,12 +77,27 @@ def test_greedy_tokens_and_logits_over_two_workers_equal_transformers_generate(s
         worst = max(worst, float((got - want).abs().max()))
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
     print(f"largest logit difference: {worst:.2e} (tolerance {ATOL})")
+
+
+def test_greedy_tokens_and_logits_over_two_workers_equal_transformers_generate(stack, engine, reference):
+    prompts = _prompts(engine.tokenizer)
+    lengths = sorted(len(p) for _, p in prompts)
+    assert lengths[0] == 1 and lengths[-1] >= 90 and len(prompts) >= 8, lengths
+    _assert_equal_to_transformers(engine, reference, prompts)
     # both workers computed: the prompts were spread over the two pools
     for w in stack.workers:
         text = urllib.request.urlopen(w.metrics_url, timeout=10).read().decode()
         tokens = [float(line.split()[-1]) for line in text.splitlines()
                   if line.startswith("kvservice_worker_forward_tokens_total")]
         assert tokens and tokens[0] > 0, w.pool_id
+
+
+def test_greedy_tokens_and_logits_over_one_worker_equal_transformers_generate(reference):
+    """One worker with both cores' threads: every sequence in one batch per step."""
+    with Stack(1, model=NAME, block_size=16, num_blocks=256) as one, \
+            Engine(one.target, credentials=one.credentials("engine"), return_logits=True) as engine:
+        assert one.torch_threads == max(1, os.cpu_count() or 1)
+        _assert_equal_to_transformers(engine, reference, _prompts(engine.tokenizer))
 
 
 def test_a_chat_answer_ends_at_the_end_of_sequence_token(engine):

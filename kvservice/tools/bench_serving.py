@@ -11,14 +11,18 @@ last one done), time to first token (p50, max), and the prompt tokens the server
 cached.
 
 Ours is a local stack (``kvservice up``: ``--workers`` SmolLM2 workers and the HTTP API),
-started here. With ``--vllm-python PATH`` (a Python with vLLM's CPU build), vLLM's
+started here; by default one worker, which takes every core, as vLLM's one server does
+(on a CPU a decode step streams every weight from memory once, whatever its batch: one
+worker's step of 24 sequences costs less than two workers' steps of 12 at once). Both
+servers get the same KV memory, ``--kv-gib`` (ours split over the workers; vLLM's
+``VLLM_CPU_KVCACHE_SPACE``). With ``--vllm-python PATH`` (a Python with vLLM's CPU build), vLLM's
 OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``, float32,
 ``--enforce-eager``) serves the same converted SmolLM2 folder, started after ours is
 stopped, so that the two never share the cores.
 
 Usage::
 
-    kvservice bench-serving [--requests 24] [--max-tokens 64] [--workers 2] [--vllm-python PATH] [--json]
+    kvservice bench-serving [--requests 24] [--max-tokens 64] [--workers 1] [--kv-gib 2] [--vllm-python PATH] [--json]
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     from kvservice.tools.launcher import Stack
 
     progress(f"starting a local stack: {args.workers} {MODEL} worker(s) and the HTTP API")
-    with Stack(args.workers, model=MODEL, http_port=0, kv_memory=args.kv_memory) as stack:
+    kv_memory = f"{args.kv_gib * 1024 // args.workers}MiB"
+    with Stack(args.workers, model=MODEL, http_port=0, kv_memory=kv_memory) as stack:
         progress(f"driving {stack.api.url}: {args.requests} streaming chats of {args.max_tokens} tokens")
         return drive(stack.api.url, stack.api_key, stack.api.model, args)
 
@@ -137,7 +142,7 @@ def measure_vllm(args: argparse.Namespace) -> dict[str, Any]:
                "--port", str(port), "--max-model-len", "2048"]
     progress(f"starting vLLM: {' '.join(command)} (log {log.name})")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)})
     try:
         deadline = time.monotonic() + args.vllm_start_timeout
         while True:
@@ -180,8 +185,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each generates (default 64)")
     p.add_argument("--system-words", type=int, default=80,
                    help="words of the shared system prompt (default 80: about 100 tokens)")
-    p.add_argument("--workers", type=int, default=2, help="our stack's workers (default 2)")
-    p.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
+    p.add_argument("--workers", type=int, default=1, help="our stack's workers, sharing the cores (default 1)")
+    p.add_argument("--kv-gib", type=int, default=2,
+                   help="KV memory of each server in GiB: ours split over its workers (default 2)")
     p.add_argument("--vllm-python", default="", metavar="PATH",
                    help="a Python with vLLM's CPU build: also measure vLLM's server, with the same client")
     p.add_argument("--vllm-start-timeout", type=float, default=600.0,
@@ -190,8 +196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.requests < 1 or args.max_tokens < 1 or args.workers < 1 or args.system_words < 1:
-        print("kvservice bench-serving: --requests, --max-tokens, --workers and --system-words must be positive",
+    if min(args.requests, args.max_tokens, args.workers, args.system_words, args.kv_gib) < 1:
+        print("kvservice bench-serving: --requests, --max-tokens, --workers, --system-words and --kv-gib must be "
+              "positive",
               file=sys.stderr)
         return 2
     try:
