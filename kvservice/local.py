@@ -11,6 +11,7 @@ stub) and has no state of its own.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -23,6 +24,12 @@ from kvservice.resyncs import RESYNC_ATTEMPTS, claim
 from kvservice.rpc import fence_seconds, new_request_id, to_domain_error
 from kvservice.sequence import CopyPair, Sequence, StepResult, freed_error
 from kvservice.v1 import allocator_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class _PoolsForgotten(Exception):
+    """A Sync named pools registered again since; they are forgotten: build it again."""
 
 
 class LocalSteps:
@@ -249,9 +256,34 @@ class LocalSteps:
 
     def _journal(self, s: "Sequence") -> PoolJournal:
         pj = self._journals.get(s.pool)
+        if pj is not None and pj.epoch < s.epoch:   # (the pool was registered again since)
+            self._forget_pool(s.pool)
+            pj = None
         if pj is None:
             pj = self._journals[s.pool] = PoolJournal(s.pool, s.epoch, s.block_size)
         return pj
+
+    def _forget_pool(self, pool_id: str) -> None:
+        """(under ``_lock``) A pool registered again (a new epoch: its worker restarted):
+        every block, sequence and grant of the old epoch is gone there, so the journal of
+        that epoch is dropped, unsent, and its live sequences are lost
+        (``errors.SequenceLost``: the caller recomputes them)."""
+        pj = self._journals.pop(pool_id, None)
+        if pj is None:
+            return
+        self._mark_lost(pool_id, {s.number for s in self._live if s.pool == pool_id and s.epoch == pj.epoch})
+        self._generations.pop(pool_id, None)
+        log.warning("pool %s was registered again since epoch %d: its sequences of that epoch are lost",
+                    pool_id, pj.epoch)
+
+    def _forget_reregistered(self) -> bool:
+        """Drops the journals of the pools whose epoch moved on (ListPools); whether any."""
+        current = {p.pool_id: p.epoch for p in self.pools()}
+        with self._lock:
+            moved = [pid for pid, pj in self._journals.items() if current.get(pid, pj.epoch) != pj.epoch]
+            for pool_id in moved:
+                self._forget_pool(pool_id)
+        return bool(moved)
 
     def _ensure_reserves(self, appends: dict, forks: dict) -> None:
         """Makes sure each pool's reserve and sequence numbers cover the step (an
@@ -404,13 +436,20 @@ class LocalSteps:
         ``recheck``: a shortfall that the Sync in flight (the flusher's) may have covered
         already: it is asked again once that one is done, and no Sync is sent if it is."""
         with self._sync_lock:
-            if self._unanswered is not None and not self._exchange(*self._unanswered, background=background):
-                return
-            if recheck is not None:
-                short = recheck()
-                if not short:
+            for attempt in range(2):
+                try:
+                    if self._unanswered is not None and not self._exchange(*self._unanswered, background=background):
+                        return
+                    if recheck is not None:
+                        short = recheck()
+                        if not short:
+                            return
+                    self._exchange(*self._build_sync(short), background=background)
                     return
-            self._exchange(*self._build_sync(short), background=background)
+                except _PoolsForgotten:
+                    # (a pool registered again since: its journal is dropped, the Sync built again)
+                    if attempt:
+                        raise errors.Unavailable("pools were registered again twice during one Sync") from None
 
     def _build_sync(self, short: dict[str, tuple[int, int]] | None = None) -> tuple[pb.SyncRequest, list[PoolJournal]]:
         """The next Sync (under ``_sync_lock``): every pool's pending entries, refill and
@@ -456,6 +495,14 @@ class LocalSteps:
         except (grpc.RpcError, errors.KvsError) as exc:
             err = to_domain_error(exc) if isinstance(exc, grpc.RpcError) else exc
             definitive = True
+            if getattr(err, "reason", "") == "EPOCH_CHANGED" and self._forget_reregistered():
+                self._unanswered = None       # (not the journal's fault: built again without them)
+                with self._lock:
+                    for pj in journals:
+                        pj.sync_failed()
+                if background:
+                    return False
+                raise _PoolsForgotten() from None
             if isinstance(err, (errors.NotFound, errors.LeaseExpired)):
                 self.lease_error = err
             elif isinstance(err, (errors.InvalidArgument, errors.FailedPrecondition, errors.PermissionDenied)):

@@ -293,3 +293,38 @@ def test_requests_survive_a_redis_restart_and_one_that_forgets_its_last_second(c
     # any, are recomputed as after a preemption)
     assert mark["cut"] > 0
     assert [c.outputs for c in report.completions] == [c.outputs for c in reference.completions]
+
+
+def test_requests_survive_a_worker_killed_mid_run_and_its_restart():
+    """A worker SIGKILLed mid-run: the engine's step to it fails, its requests are
+    recomputed from their tokens so far on the other worker (placement puts the silent
+    pool last), the other worker's requests go on, and every output equals a run without
+    the kill. The worker started again registers a new epoch; a step that still names the
+    old one is refused (EPOCH_CHANGED) and recomputed too; then both workers serve."""
+    import time
+
+    rng = random.Random(11)
+    requests = [Request(_prompt(rng, n), max_new_tokens=40, request_id=f"r{i}")
+                for i, n in enumerate((9, 21, 30, 40, 12, 25))]
+    with Stack(2, model=MODEL, model_seed=SEED, block_size=BS, num_blocks=64,
+               allocator_args=("--placement-silence", "2")) as stack:
+        with Engine(stack.target, credentials=stack.credentials()) as engine:
+            reference = engine.run(requests)
+            assert {s.pool for s in engine._live.values()} == set()   # (all freed)
+        victim = stack.workers[1]
+
+        def kill(p) -> None:
+            if p.step == 5:
+                victim.kill()
+
+        with Engine(stack.target, credentials=stack.credentials(), progress=kill) as engine:
+            report = engine.run(requests)
+            assert report.failed == 0 and report.worker_failures >= 1
+            assert [c.outputs for c in report.completions] == [c.outputs for c in reference.completions]
+            _check_clean(stack)
+            victim.start()
+            time.sleep(2.5)     # (its first heartbeats: placement no longer puts it last)
+            again = engine.run(requests)
+        _check_clean(stack)
+    assert again.failed == 0
+    assert [c.outputs for c in again.completions] == [c.outputs for c in reference.completions]

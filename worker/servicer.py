@@ -41,7 +41,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if epoch != current:
             raise errors.FailedPrecondition(
                 f"request for epoch {epoch}, but pool {self.pool_id} is at epoch {current} "
-                f"(the worker restarted or re-registered; its sequences are gone)")
+                f"(the worker restarted or re-registered; its sequences are gone)", reason="EPOCH_CHANGED")
 
     def _tensor(self, t: pb.Tensor, name: str):
         return tensors.decode(t, name, self.pool.shape.dtype, self.pool.device)

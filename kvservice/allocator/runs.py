@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvservice import errors
 from kvservice.allocator.checks import fingerprint
@@ -39,24 +39,34 @@ from kvservice.common import hashing
 PROBE_CHUNK = 2048
 
 
+class Probe(NamedTuple):
+    """A pool's answer to a prefix probe (``scripts/probe.lua``): leading blocks cached,
+    how many of them block tables reference, blocks available, sequences, and
+    milliseconds since its worker's last heartbeat (since it registered, if none yet)."""
+
+    hits: int
+    referenced: int
+    available: int
+    sequences: int
+    silent_ms: int
+
+
 class RunOps:
     """Runs and steps in parts: ``_step_in_parts`` and the runs it is made of."""
 
     # ------------------------------------------------------------ probes
 
-    async def _probe_prefix(self, pool_id: str, epoch: int, hashes: list[str]) -> tuple[int, int, int, int]:
-        """How much of a chain of hashes the pool caches from the start, in bounded calls:
-        (hit blocks, hit blocks that other tables reference, blocks available, sequences)."""
-        hits = referenced = available = sequences = 0
+    async def _probe_prefix(self, pool_id: str, epoch: int, hashes: list[str]) -> Probe:
+        """How much of a chain of hashes the pool caches from the start, in bounded calls."""
+        hits = referenced = 0
         for i in range(0, max(len(hashes), 1), PROBE_CHUNK):
             part = hashes[i:i + PROBE_CHUNK]
             reply = await self.store.probe(pool_id, epoch, part)
             hits += reply["hits"]
             referenced += reply["referenced"]
-            available, sequences = reply["available"], reply["sequences"]
             if reply["hits"] < len(part):
                 break
-        return hits, referenced, available, sequences
+        return Probe(hits, referenced, reply["available"], reply["sequences"], reply.get("silent_ms", 0))
 
     # ------------------------------------------------------------ runs
 
@@ -133,7 +143,7 @@ class RunOps:
         num_tokens = len(data) // 4
         total = -(-num_tokens // bs)
         hs = [h.hex() for h in hashes]
-        _, referenced, _, _ = await self._probe_prefix(pool_id, epoch, hs[:(num_tokens - 1) // bs])
+        referenced = (await self._probe_prefix(pool_id, epoch, hs[:(num_tokens - 1) // bs])).referenced
         payload = self._run_base("create", pool_id, epoch, lease_id, tenant, lease_left, run_id, print_)
         payload.update(num_tokens=num_tokens, root_hash=root.hex(), expect=total - referenced, hold=hold,
                        hashes=hs[:self.settings.max_blocks_per_call], all_hashes=hs)
@@ -339,7 +349,7 @@ class RunOps:
         (read only when they are more than one call takes, or ``always``), before any of
         them is staged."""
         if always or least > self.settings.max_blocks_per_call:
-            _, _, available, _ = await self._probe_prefix(pool_id, epoch, [])
+            available = (await self._probe_prefix(pool_id, epoch, [])).available
             if least > available:
                 raise errors.ResourceExhausted(f"pool {pool_id}: needed {least} blocks, {available} available",
                                                needed=least, available=available, pool_id=pool_id)

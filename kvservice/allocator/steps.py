@@ -277,21 +277,25 @@ class StepOps(RunOps):
         """The pool where ``c`` costs least (docs/allocator.md, "Placement"): the prompt
         tokens it would compute there (those its cached prefix does not cover) plus a
         block's worth of tokens per sequence the pool already serves (each one a token
-        of every step's work); then the most free + evictable blocks, the smallest id."""
+        of every step's work); then the most free + evictable blocks, the smallest id. A
+        pool whose worker has not heartbeated for ``placement_silence`` seconds comes
+        after every other (its worker has likely stopped: its sequences would fail)."""
         root = hashing.root_hash(self._salt(tenant), c.extra_key)
         num_tokens = len(data) // 4
+        silence_ms = self.settings.placement_silence * 1000
 
-        async def score(pool_id: str) -> tuple[int, int, str] | None:
+        async def score(pool_id: str) -> tuple[bool, int, int, str] | None:
             try:
                 epoch, geo = await self.geometry(pool_id)
             except errors.NotFound:
                 return None
             max_hit = (num_tokens - 1) // geo.block_size
             hs = [h.hex() for h in hashing.chain_hashes(root, data, geo.block_size, max_hit)]
-            hits, _, available, sequences = await self._probe_prefix(pool_id, epoch, hs)
-            return num_tokens - hits * geo.block_size + sequences * geo.block_size, -available, pool_id
+            probe = await self._probe_prefix(pool_id, epoch, hs)
+            cost = num_tokens - probe.hits * geo.block_size + probe.sequences * geo.block_size
+            return probe.silent_ms > silence_ms, cost, -probe.available, pool_id
 
-        scored: list[tuple[int, int, str]] = []
+        scored: list[tuple[bool, int, int, str]] = []
         for cached in (True, False):     # this replica's recent list; the registry if that has none
             pools = await self.store.pool_ids(cached=cached)
             for i in range(0, len(pools), FAN_OUT):
@@ -300,7 +304,7 @@ class StepOps(RunOps):
                 break
         if not scored:
             raise errors.FailedPrecondition("no pool is registered")
-        return min(scored)[2]
+        return min(scored)[3]
 
     def _collect_applied(self, pool_id: str, items: dict[str, list], applied: dict[int, dict[str, Any]],
                          outcome: StepOutcome) -> None:

@@ -65,6 +65,14 @@ LENGTH, STOP, CANCELLED, FAILED = "length", "stop", "cancelled", "error"
 
 #: The online loop reads the pool list again this often (seconds) while idle.
 REFRESH_S = 10.0
+#: After a worker failed a step, the loop waits this long (seconds) before the next one.
+LOST_WORKER_PAUSE_S = 0.1
+#: The channels to the workers: large tensors; a connection attempt to a worker that is
+#: gone gives up after 2 s, not gRPC's default 20 s (a killed container's address drops
+#: packets: its steps fail, and are recomputed elsewhere, that much sooner).
+WORKER_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                          ("grpc.min_reconnect_backoff_ms", 2000), ("grpc.initial_reconnect_backoff_ms", 500),
+                          ("grpc.max_reconnect_backoff_ms", 5000))
 
 
 class EngineBusy(RuntimeError):
@@ -185,7 +193,8 @@ class Report:
             peak of an unshared run (every sequence holding private copies of its blocks).
         prefill_tokens: prompt tokens computed by the workers.
         steps, preemptions, failed, seconds: engine steps, preemptions, failed requests,
-            wall time. cancelled: requests cancelled. completions: one per request, in
+            wall time. worker_failures: steps a worker failed (unreachable, or restarted
+            since: a new epoch); its requests were recomputed on the other pools. cancelled: requests cancelled. completions: one per request, in
             submission order (``run``; the online loop hands them to the handles).
     """
 
@@ -200,6 +209,7 @@ class Report:
     prefill_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    worker_failures: int = 0
     failed: int = 0
     cancelled: int = 0
     seconds: float = 0.0
@@ -378,8 +388,7 @@ class Engine:
             self._block_size[p.pool_id] = p.geometry.block_size
             if p.pool_id in self._stubs or not p.worker_address:
                 continue
-            channel = self.credentials.channel(p.worker_address, [
-                ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
+            channel = self.credentials.channel(p.worker_address, [*WORKER_CHANNEL_OPTIONS])
             stub = wpb_grpc.WorkerStub(channel)
             info = stub.Describe(wpb.DescribeWorkerRequest(include_tokenizer=self.model is None),
                                  timeout=self.timeout)
@@ -872,7 +881,14 @@ class Engine:
         calls = {pool: self._executor.submit(self._forward_call, pool, items, copies.get(pool, []))
                  for pool, items in entries.items()}   # one Forward per worker, all in flight at once
         for pool in list(entries):
-            response, entries[pool] = calls[pool].result()
+            try:
+                response, entries[pool] = calls[pool].result()
+            except (errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition) as exc:
+                if isinstance(exc, errors.FailedPrecondition) and exc.reason != "EPOCH_CHANGED":
+                    raise
+                self._worker_lost(pool, exc)
+                del entries[pool]
+                continue
             items = entries[pool]
             rows = _rows(response.logits, len(items)) if self.return_logits and items else [None] * len(items)
             extra = iter(response.extra_tokens)
@@ -887,6 +903,21 @@ class Engine:
                 self._sampled(b, job, token, row, DECODE)
         return sum(len(items) for items in entries.values())
 
+    def _worker_lost(self, pool: str, exc: errors.KvsError) -> None:
+        """A worker that cannot be reached, or that restarted since (its pool has a new
+        epoch: its KV is gone), failed a step: the requests with sequences in its pool are
+        recomputed from their tokens so far, as after a preemption, wherever placement puts
+        them (a pool whose worker stopped heartbeating is placed last: docs/allocator.md).
+        The other pools' results of the step are kept."""
+        jobs = [j for j in self._running if any(b.seq is not None and b.seq.pool == pool for b in j.branches)]
+        log.warning("the worker of pool %s failed a step (%s: %s): %d request(s) recomputed elsewhere",
+                    pool, type(exc).__name__, exc, len(jobs))
+        self.report.worker_failures += 1
+        for job in jobs:
+            self._requeue(job)
+        self._unwritten.pop(pool, None)
+        time.sleep(LOST_WORKER_PAUSE_S)   # (until placement sees the silence, the next create may land there again)
+
     def _forward_call(self, pool: str, items: list, copies: list[wpb.BlockCopy]) -> tuple[wpb.ForwardResponse, list]:
         """One worker's Forward, and the items it computed. A worker that refuses it for
         the pool's generation (the pool's state may have rolled back: RolledBack) is sent
@@ -899,8 +930,12 @@ class Engine:
             request = wpb.ForwardRequest(epoch=epochs.pop() if epochs else 0, copies=copies,
                                          sequences=[fs for _, _, fs, _ in items], return_logits=self.return_logits,
                                          lease_id=self.client.lease_id, generation=self.client.generation(pool))
+            stub = self._stubs.get(pool)
+            if stub is None:
+                raise errors.Unavailable(f"no connection to the worker of pool {pool} (not reachable when the "
+                                         f"pool list was read)")
             try:
-                return self._stubs[pool].Forward(request, timeout=self.timeout), items
+                return stub.Forward(request, timeout=self.timeout), items
             except grpc.RpcError as exc:
                 err = to_domain_error(exc)
                 if attempt or not isinstance(err, errors.RolledBack):

@@ -6,8 +6,10 @@
 --- ARGV[1]: msgpack map {pool, epoch, block_hashes = [hash hex of each block a hit may cover]}
 --- Returns msgpack {epoch, hits (leading blocks cached), referenced (how many of those are
 ---   held by block tables: a create shares them without taking a block), available,
----   sequences (the pool's sequences: its load, for placement)}; or an error (lib/codec):
+---   sequences (the pool's sequences: its load, for placement), silent_ms (how long since
+---   its worker's last heartbeat, or since it registered if none yet)}; or an error (lib/codec):
 ---   NOT_FOUND.
+--- @include "lib/time"
 --- @include "lib/pool"
 --- @include "lib/chunked"
 
@@ -29,7 +31,10 @@ local _, res = guarded(function()
       end
     end
   end
+  local seen = redis.call('HMGET', K_META, 'heartbeat_ms', 'registered_ms')
+  local since = tonumber(seen[1] or seen[2] or 0) or 0
   return reply({epoch = epoch, hits = hits, referenced = referenced, available = available_now(num_blocks),
-                sequences = redis.call('HLEN', K_SEQS)})
+                sequences = redis.call('HLEN', K_SEQS),
+                silent_ms = since > 0 and math.max(0, now_ms() - since) or 0})
 end)
 return res
