@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvservice/v1/*.proto)
 GEN := kvservice/v1/__init__.py
 
-.PHONY: install proto test demo up bench audit study clean
+.PHONY: install proto test demo up bench audit study compose-check clean
 
 install: $(STAMP) $(GEN)
 
@@ -47,6 +47,11 @@ audit: install
 # docs/memory-study.md and docs/img/memory-*.png.
 study: install
 	$(VENV)/bin/kvservice simulate --report
+
+# The compose deployment built and run for real, end to end (root with apt, or a running
+# Docker daemon; ~10 min): docs/operations.md, "Docker Compose".
+compose-check:
+	scripts/compose_check.sh
 
 clean:
 	rm -rf $(VENV) kvservice/v1 .pytest_cache .hypothesis

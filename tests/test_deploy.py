@@ -1241,7 +1241,7 @@ def test_dockerfile_generates_the_protobuf_code_and_installs_the_right_extras(im
     elif image == "worker-cpu":
         # from the CPU index (TORCH_INDEX_URL, default PyTorch's), or a wheel in the context's wheels/
         cpu_torch = f'pip install {torch_pin} --index-url "$TORCH_INDEX_URL"'
-        local_torch = f"pip install --no-index --find-links /wheels {torch_pin}"
+        local_torch = f"pip install /wheels/torch-{torch_pin.split('==')[1]}*.whl"
         assert cpu_torch in installs and local_torch in installs
         assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in (DEPLOY / "docker" / f"{image}.Dockerfile").read_text()
         assert installs.index(cpu_torch) < installs.index('pip install ".[worker]"'), "CPU torch must come first"

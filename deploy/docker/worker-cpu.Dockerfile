@@ -22,7 +22,7 @@ ENV PATH=/opt/kvservice/bin:$PATH
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY deploy/docker/wheels /wheels
 RUN if ls /wheels/torch-2.13.0*.whl >/dev/null 2>&1; then \
-      pip install --no-index --find-links /wheels torch==2.13.0; \
+      pip install /wheels/torch-2.13.0*.whl; \
     else \
       pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; \
     fi
