@@ -315,7 +315,7 @@ pool_epoch() {   # the allocator's epoch of a pool, through Prometheus
 }
 
 kill_worker() {
-  local before after ok=0 chats
+  local before after ok=0 chats failed_steps
   before=$(pool_epoch worker-1)
   log "worker-1 at epoch ${before:-?}; 8 chats, then docker kill of worker-cpu-1 while they run"
   "${PROBE[@]}" chat http://127.0.0.1:8000 "$WORK/api-key" --requests 8 --max-tokens 48 --stagger 0.2 \
@@ -325,6 +325,9 @@ kill_worker() {
   docker kill "$(compose ps -q worker-cpu-1)" >/dev/null || ok=1
   wait "$chats" || ok=1
   cat "$WORK/chats.log"
+  failed_steps=$(compose logs api-cpu 2>/dev/null | grep -c 'the worker of pool worker-1 failed a step')
+  log "steps the killed worker failed, recomputed on worker-0: $failed_steps"
+  [ "$failed_steps" -gt 0 ] || { log "the kill hit no request"; ok=1; }
   audit allocator || ok=1
   log "worker-cpu-1 started again"
   compose start worker-cpu-1 >/dev/null || return 1
