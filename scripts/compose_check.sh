@@ -269,7 +269,26 @@ api_key() { in_allocator cat /certs/api-key >"$WORK/api-key" && chmod 600 "$WORK
 
 # ---------------------------------------------------------------- 6. the cpu profile
 
+# ports_free PORT...: each published port free on KVS_BIND (another program holding one
+# would make `up` fail half way); says which is taken.
+ports_free() {
+  python3 - "${KVS_BIND:-127.0.0.1}" "$@" <<'PY'
+import socket, sys
+host, taken = sys.argv[1], []
+for port in map(int, sys.argv[2:]):
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            taken.append(f"{port} ({exc.strerror})")
+if taken:
+    print(f"ports taken on {host}: {', '.join(taken)}: stop what holds them, or set KVS_BIND")
+sys.exit(1 if taken else 0)
+PY
+}
+
 up_cpu() {
+  ports_free 6379 50051 9400 50061 50062 8000 9090 3000 50052 9402 || return 1
   mapfile -t CPU_SERVICES < <(services_of --profile cpu)
   log "services: ${CPU_SERVICES[*]}"
   compose --profile cpu up -d "${CPU_SERVICES[@]}" >"$WORK/up.log" 2>&1 || { cat "$WORK/up.log"; return 1; }
