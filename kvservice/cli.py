@@ -1,4 +1,4 @@
-"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, limits,
+"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, bench-tiers, limits,
 shards, many-pools, demo, simulate."""
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def _up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack(args.workers, model=args.model, model_seed=args.model_seed, block_size=args.block_size,
                   kv_memory=args.kv_memory, num_blocks=args.num_blocks, http_port=args.http,
-                  redis_cluster=args.redis_cluster)
+                  redis_cluster=args.redis_cluster, worker_args=tier_worker_args(args))
     print(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model}"
           + (f", and the HTTP API on port {args.http}" if args.http is not None else "") + " ...", flush=True)
     try:
@@ -217,6 +217,26 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
         print("stopped.", flush=True)
+
+
+def tier_arguments(p: argparse.ArgumentParser) -> None:
+    """The workers' lower tiers (DESIGN §12), as ``python -m worker`` takes them."""
+    p.add_argument("--host-tier-gb", type=float, default=0.0,
+                   help="each worker's host tier in GB: blocks evicted from the device are kept there and loaded "
+                        "back on a prefix hit (default 0: none)")
+    p.add_argument("--disk-tier-dir", default="",
+                   help="a directory for each worker's disk tier (<pool id>.kvtier): blocks evicted from the host "
+                        "tier, kept across restarts (needs --host-tier-gb)")
+    p.add_argument("--disk-tier-gb", type=float, default=1.0, help="each worker's disk tier in GB (default 1)")
+
+
+def tier_worker_args(args: argparse.Namespace) -> tuple[str, ...]:
+    out: tuple[str, ...] = ()
+    if args.host_tier_gb:
+        out += ("--host-tier-gb", str(args.host_tier_gb))
+    if args.disk_tier_dir:
+        out += ("--disk-tier-dir", args.disk_tier_dir, "--disk-tier-gb", str(args.disk_tier_gb))
+    return out
 
 
 def _tool(sub: Any, name: str, module: Any, help_: str) -> None:
@@ -303,11 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
-    from kvservice.tools import bench_serving, manypools
+    from kvservice.tools import bench_serving, bench_tiers, manypools
 
     _tool(sub, "bench-serving", bench_serving, "drive the HTTP API of a local stack with concurrent streaming chats "
           "(the openai client), and vLLM's server beside it with --vllm-python; print tokens/s and time to first "
           "token")
+
+    _tool(sub, "bench-tiers", bench_tiers, "a multi-turn chat workload over SmolLM2 workers with small device "
+          "pools, with the lower tiers off, a host tier, and a host and a disk tier; print the prompt tokens "
+          "recomputed and the time to first token")
 
     from kvservice.tools.shards import DESCRIPTION as shards_description, add_arguments as shards_arguments
 
@@ -331,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per worker (overrides --kv-memory)")
+    tier_arguments(p)
     p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
                    help="a local Redis Cluster of N primaries, each with a replica (node timeout 2 s), instead of "
                         "one Redis")

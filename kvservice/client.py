@@ -117,6 +117,11 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         self._doubts: dict[bytes, Doubt] = {}
         self._doubt_lock = threading.Lock()
         self.resync_count = 0
+        #: Collect the lower tiers' orders of this client's steps and Syncs (DESIGN §12)
+        #: for ``take_tier_orders``; off (an SDK user with no worker to run them): dropped,
+        #: and the entries they named are taken back unconfirmed.
+        self.collect_tier_orders = False
+        self._tier_orders: list[pb.TierOrder] = []
         self._lock = threading.RLock()
         self._sync_lock = threading.Lock()
         self._wake = threading.Event()
@@ -291,6 +296,7 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
                 grow_to=s._num_tokens + added if added else 0)
         for tokens, pool, extra in creates:
             request.creates.add(token_ids=tokens, pool_id=pool, extra_key=extra)
+        request.tier_loads = bool(creates) and self.collect_tier_orders
         # Sequences with blocks to commit ride along for free.
         for s in riders:
             order.append(s)
@@ -350,6 +356,8 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         client's own record of its live sequences (for a resync) follows."""
         remote = not self.local
         self._heard(response.generations.items())
+        if response.tier_orders:
+            self._add_tier_orders(response.tier_orders)
         for s, d in zip(order, response.updates):
             if not d.sequence_id:
                 continue
@@ -423,10 +431,33 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
 
     def register_pool(self, pool_id: str, *, num_blocks: int, block_size: int = 16, num_layers: int = 1,
                       num_kv_heads: int = 1, head_dim: int = 64, dtype: str = "float16",
-                      worker_address: str = "") -> pb.Pool:
+                      worker_address: str = "", host_tier_blocks: int = 0, disk_tier_blocks: int = 0,
+                      disk_tier_kept: bool = False) -> pb.Pool:
         geometry = Geometry(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype).to_pb()
         return self._call(self.stub.RegisterPool, pb.RegisterPoolRequest(
-            pool_id=pool_id, geometry=geometry, worker_address=worker_address, request_id=new_request_id()))
+            pool_id=pool_id, geometry=geometry, worker_address=worker_address, request_id=new_request_id(),
+            host_tier_blocks=host_tier_blocks, disk_tier_blocks=disk_tier_blocks, disk_tier_kept=disk_tier_kept))
+
+    # ------------------------------------------------------------ lower tiers (DESIGN §12)
+    def _add_tier_orders(self, orders) -> None:
+        if self.collect_tier_orders:
+            with self._lock:
+                self._tier_orders.extend(orders)
+
+    def take_tier_orders(self) -> list[pb.TierOrder]:
+        """The lower tiers' orders of the steps and Syncs answered since the last call, in
+        the order the pools gave them (``collect_tier_orders`` on). Each pool's must reach
+        its worker (``MoveBlocks``) before the next forward that writes its blocks."""
+        with self._lock:
+            out, self._tier_orders = self._tier_orders, []
+        return out
+
+    def settle_tiers(self, pool_id: str, epoch: int, settled: list[pb.TierSettlement]) -> int:
+        """Passes on the worker's word on a pool's lower-tier orders (``SettleTiers``);
+        returns how many entries were settled."""
+        reply = self._call(self.stub.SettleTiers, pb.SettleTiersRequest(pool_id=pool_id, epoch=epoch,
+                                                                         settled=settled), idempotent=True)
+        return reply.num_settled
 
     def pools(self) -> list[pb.Pool]:
         """Every pool (ListPools, page after page)."""

@@ -209,6 +209,11 @@ row("RegisterPool", "head-dim-4097", reg(head_dim=4097), IA, "head_dim must be i
 row("RegisterPool", "dtype-empty", reg(dtype=""), IA, "dtype must be one of float32, float16, bfloat16, got ''")
 row("RegisterPool", "dtype-int8", reg(dtype="int8"), IA, "got 'int8'")
 row("RegisterPool", "worker-address-too-long", reg(worker="w" * 257), IA, "worker_address is longer than 256")
+row("RegisterPool", "host-tier-negative", lambda b: pb.RegisterPoolRequest(
+    pool_id="p0", geometry=geometry(), host_tier_blocks=-1), IA, "host_tier_blocks must be in 0..16777216, got -1")
+row("RegisterPool", "disk-tier-too-many", lambda b: pb.RegisterPoolRequest(
+    pool_id="p0", geometry=geometry(), disk_tier_blocks=(1 << 24) + 1), IA,
+    f"disk_tier_blocks must be in 0..16777216, got {(1 << 24) + 1}")
 row("RegisterPool", "malformed-request-id", reg(rid="bad rid"), IA, "malformed request_id 'bad rid'")
 row("RegisterPool", "request-id-too-long", reg(rid="r" * 129), IA, "malformed request_id")
 row("RegisterPool", "reused-request-id", reg(rid="rid-reg", num_blocks=32), IA,
@@ -222,6 +227,24 @@ for rpc, msg_cls in (("DescribePool", pb.DescribePoolRequest), ("GetPoolStats", 
         row(rpc, f"malformed-pool-id-{pid[:8]}", lambda b, c=msg_cls, p=pid: c(pool_id=p), IA,
             f"malformed pool_id {pid!r}")
     row(rpc, "unknown-pool", lambda b, c=msg_cls: c(pool_id="nope"), NF, "pool nope is not registered")
+
+# -- SettleTiers: the pool id, its epoch, the settlements (p0 has no lower tier).
+def settle(pid: str = "p0", epoch: int = 1, n: int = 1, **over: Any) -> Callable[[Base], Any]:
+    one = dict(tier=1, entry=0, block_hash=b"h" * 16, ok=True)
+    one.update(over)
+    return lambda b: pb.SettleTiersRequest(pool_id=pid, epoch=epoch, settled=[pb.TierSettlement(**one)] * n)
+
+
+for pid in ("", "bad pool!", "a" * 65):
+    row("SettleTiers", f"malformed-pool-id-{pid[:8]}", settle(pid), IA, f"malformed pool_id {pid!r}")
+row("SettleTiers", "unknown-pool", settle("nope"), NF, "pool nope is not registered")
+row("SettleTiers", "epoch-0", settle(epoch=0), IA, f"epoch must be in 1..{2**31 - 1}, got 0")
+row("SettleTiers", "stale-epoch", settle("p1", epoch=1), FP, "pool p1 is at epoch 2, not 1")
+row("SettleTiers", "tier-0", settle(tier=0), IA, "settled[0].tier must be 1 (host) or 2 (disk), got 0")
+row("SettleTiers", "entry-negative", settle(entry=-1), IA, "settled[0].entry -1 is out of range")
+row("SettleTiers", "hash-short", settle(block_hash=b"x"), IA, "settled[0].block_hash must be 16 bytes, got 1")
+row("SettleTiers", "too-many", settle(n=65_537), IA, "at most 65536 settlements per call, got 65537")
+row("SettleTiers", "no-such-tier", settle(), IA, "pool p0 has no tier 1")
 
 # -- Heartbeat: the pool id and the worker's epoch (p1 is at epoch 2).
 for pid in ("", "bad pool!", "a" * 65, "p0/1"):
@@ -691,6 +714,8 @@ def _every_rpc_request(pool: str, lease: str, sid: str) -> dict[str, Any]:
         "FreeSequences": pb.FreeSequencesRequest(lease_id=lease, sequence_ids=[sid]),
         "GetSequence": pb.GetSequenceRequest(sequence_id=sid),
         "Audit": pb.AuditRequest(),
+        "SettleTiers": pb.SettleTiersRequest(pool_id=pool, epoch=1, settled=[pb.TierSettlement(
+            tier=1, entry=0, block_hash=b"h" * 16, ok=True)]),
         "Sync": pb.SyncRequest(lease_id=lease, pools=[pb.PoolSync(pool_id=pool, epoch=1, want_blocks=4)]),
     }
 

@@ -290,3 +290,27 @@ def test_the_benchmark_measures_one_configuration():
     assert r["ms"] > 0 and r["GB/s"] > 0 and r["sdpa_ratio"] > 0 and r["maxdiff"] < 0.05
     assert 0.5 < r["prof_ms"] / r["ms"] < 1.5, r
     assert (r["flashinfer_ratio"] is None) == bool(r["flashinfer_note"])
+
+
+def test_lower_tier_orders_on_a_cuda_pool_with_a_pinned_host_tier(tmp_path):
+    """The CUDA path of worker/tiers.py: copies on a side stream after the queued work, a
+    pinned host tier, a disk tier; blocks come back bit for bit, a wrong hash writes nothing."""
+    from worker.pool import KVPool, PoolShape
+    from worker.tiers import DEVICE, DISK, HOST, DiskTier, HostTier, Tiers
+
+    shape = PoolShape(num_blocks=16, block_size=16, num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    pool = KVPool(shape, DEV, CudaBackend())
+    pool.k_caches.copy_(torch.randn(pool.k_caches.shape, device=DEV).to(shape.dtype))
+    pool.v_caches.copy_(torch.randn(pool.v_caches.shape, device=DEV).to(shape.dtype))
+    host = HostTier(shape, 4, pin=True)
+    assert host.data.is_pinned()
+    tiers = Tiers(pool, host, DiskTier(shape, 4, tmp_path, "gpu-0"))
+    h = b"g" * 16
+    pool.k_caches[:, 5].mul_(2)           # (queued before the copy down: the copy sees it)
+    assert tiers.run([(DEVICE, 5, HOST, 0, h), (HOST, 0, DISK, 1, h), (DISK, 1, DEVICE, 9, h)]) == ["", "", ""]
+    assert torch.equal(pool.k_caches[:, 5], pool.k_caches[:, 9]) and torch.equal(pool.v_caches[:, 5],
+                                                                                  pool.v_caches[:, 9])
+    before = pool.k_caches[:, 10].clone()
+    assert "holds block" in tiers.run([(HOST, 0, DEVICE, 10, b"x" * 16)])[0]
+    assert torch.equal(pool.k_caches[:, 10], before)
+    tiers.close()

@@ -82,7 +82,8 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up():
-    u = Up("--workers", "2", "--model", "tiny-llama", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BS))
+    u = Up("--workers", "2", "--model", "tiny-llama", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BS),
+           "--host-tier-gb", "0.01")
     try:
         yield u
     finally:

@@ -163,7 +163,7 @@ def scraped(tmp_path_factory):
     """A stack that ran a workload and holds one sequence in each pool, scraped by a
     Prometheus; yields (stack, prometheus, the pools' stats from the allocator)."""
     tmp = tmp_path_factory.mktemp("prometheus")
-    stack = Stack(2, model="tiny-llama", num_blocks=64, http_port=0)
+    stack = Stack(2, model="tiny-llama", num_blocks=64, http_port=0, worker_args=("--host-tier-gb", "0.05"))
     prom = client = None
     try:
         stack.start()

@@ -89,11 +89,15 @@ def test_demo_prints_answers_in_text_and_its_report(smollm2_cache):
     answers, report = out.stdout.split("\nreport (")
     assert "[r0] What is the capital of France?" in answers and "Paris" in answers.split("[r1]")[0]
     cached = [int(c) for c in re.findall(r"(\d+) from the prefix cache", answers)]
-    assert len(cached) == 12 and sum(c > 0 for c in cached) >= 10      # two system prompts, shared
+    # Two system prompts, shared: at most the first of each in each of the two pools misses.
+    assert len(cached) == 12 and sum(c > 0 for c in cached) >= 12 - 2 * 2
     assert answers.count("4 samples") == 3 and "<|im_" not in answers
     for line in ("requests completed", "tokens generated", "KV blocks used at peak", "KV utilization at peak",
                  "prefix-cache hit tokens", "copy-on-write block copies", "memory saved by sharing"):
         assert line in report, line
+    turn = re.search(r"a second turn of the first 3 chats: (\d+) of their (\d+) prompt tokens cached, (\d+) blocks "
+                     r"of them loaded from the host tier", report)
+    assert turn and int(turn.group(3)) > 0 and int(turn.group(1)) >= 16 * int(turn.group(3)), report
     assert "12/12 done" in out.stderr          # progress
     assert "audit: ok; blocks in use after the run: 0" in out.stderr
 

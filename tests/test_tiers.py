@@ -138,3 +138,24 @@ def test_bad_entries_blocks_and_geometries_are_refused():
     with pytest.raises(ValueError, match="at least one entry"):
         HostTier(SHAPE, 0)
     assert entries_for_budget(10 * SHAPE.bytes_per_block + 1, SHAPE) == 10
+
+
+def test_the_orders_move_a_block_down_two_tiers_and_back_and_a_wrong_hash_fails(tmp_path):
+    from worker.tiers import DEVICE, DISK, HOST, Tiers
+    pool = _pool()
+    disk = DiskTier(SHAPE, 4, tmp_path, "worker-0")
+    tiers = Tiers(pool, HostTier(SHAPE, 2), disk)
+    h, other = b"a" * 16, b"b" * 16
+    assert tiers.run([(DEVICE, 3, HOST, 1, h), (HOST, 1, DISK, 2, h), (DISK, 2, DEVICE, 9, h)]) == ["", "", ""]
+    assert _same(pool, 3, 9)
+    before = pool.k_caches[:, 10].clone()
+    errors = tiers.run([(DISK, 2, DEVICE, 10, other), (HOST, 0, DEVICE, 10, h), (DEVICE, 1, DEVICE, 2, h),
+                        (HOST, 7, DEVICE, 10, h)])
+    assert "holds block" in errors[0] and "never stored" in errors[1] and "copy" in errors[2]
+    assert "out of range" in errors[3]
+    assert torch.equal(pool.k_caches[:, 10], before)           # (no failed order wrote anything)
+    assert tiers.moved == {(DEVICE, HOST): 1, (HOST, DISK): 1, (DISK, DEVICE): 1}
+    assert tiers.failed == {(DISK, DEVICE): 1, (HOST, DEVICE): 2, (DEVICE, DEVICE): 1}
+    no_disk = Tiers(pool, HostTier(SHAPE, 2))
+    assert "no disk tier" in no_disk.run([(DEVICE, 0, DISK, 0, h)])[0]
+    tiers.close()

@@ -141,6 +141,11 @@ def copy(*pairs: tuple[int, int], epoch: int = 1):
     return ("CopyBlocks", pb.CopyBlocksRequest(epoch=epoch, pairs=[pb.BlockCopy(src=a, dst=b) for a, b in pairs]))
 
 
+def move(*moves: tuple[int, int, int, int], epoch: int = 1, block_hash: bytes = b"h" * 16, n: int = 1):
+    return ("MoveBlocks", pb.MoveBlocksRequest(epoch=epoch, moves=[
+        pb.BlockMove(src_tier=a, src=b, dst_tier=c, dst=d, block_hash=block_hash) for a, b, c, d in moves] * n))
+
+
 def read(slots=(0,), layer: int = 0, epoch: int = 1):
     return ("ReadKV", pb.ReadKVRequest(epoch=epoch, layer=layer, slots=list(slots)))
 
@@ -197,6 +202,13 @@ BAD: list[tuple[str, Callable[[], tuple[str, Any]], grpc.StatusCode, str]] = [
     ("copy-dst-twice", lambda: copy((0, 5), (1, 5)), IA, "pairs[1].dst = 5 is the destination of two copies"),
     ("copy-dst-is-a-source", lambda: copy((0, 5), (5, 6)), IA, "pairs[0].dst = 5 is also a source in this call"),
     ("copy-onto-itself", lambda: copy((4, 4)), IA, "pairs[0].dst = 4 is also a source"),
+    ("move-stale-epoch", lambda: move((1, 0, 0, 1), epoch=4), FP, "request for epoch 4"),
+    ("move-tier-3", lambda: move((0, 1, 3, 0)), IA, "moves[0]: tiers are 0 (device), 1 (host), 2 (disk); got 0 -> 3"),
+    ("move-negative-tier", lambda: move((1, 0, 0, 1), (-1, 0, 0, 2)), IA, "moves[1]: tiers are"),
+    ("move-hash-too-long", lambda: move((1, 0, 0, 1), block_hash=b"h" * 17), IA,
+     "moves[0].block_hash has 17 bytes, at most 16"),
+    ("move-too-many", lambda: move((1, 0, 0, 1), n=65_537), IA, "at most 65536 moves per call, got 65537"),
+    ("move-no-tier", lambda: move((1, 0, 0, 1)), FP, "this worker has no lower tier (start it with --host-tier-gb)"),
 ]
 
 

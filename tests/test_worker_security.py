@@ -67,6 +67,8 @@ def _requests(epoch: int, lease: str) -> dict[str, object]:
         "CopyBlocks": pb.CopyBlocksRequest(epoch=epoch, pairs=[pb.BlockCopy(src=0, dst=1)], lease_id=lease),
         "Forward": pb.ForwardRequest(epoch=epoch, lease_id=lease,
                                      sequences=[pb.ForwardSequence(token_ids=[1], block_table=[0], slot_mapping=[0])]),
+        "MoveBlocks": pb.MoveBlocksRequest(epoch=epoch, lease_id=lease, moves=[pb.BlockMove(
+            src_tier=1, src=0, dst_tier=0, dst=0, block_hash=b"h" * 16)]),
     }
 
 

@@ -57,6 +57,14 @@ class WorkerSettings(EnvSettings):
     #: sharing a host share its cores: give each its part (kvservice up does), or their
     #: threads oversubscribe the cores and every step slows down several times.
     torch_threads: int = 0
+    #: The pool's host tier (DESIGN §12): GB (10^9 bytes) of host memory (pinned on a CUDA
+    #: device) that keeps blocks evicted from the device; 0: none.
+    host_tier_gb: float = 0.0
+    #: The pool's disk tier: a directory for its file (``<pool id>.kvtier``), which keeps
+    #: blocks evicted from the host tier and outlives the process; empty: none.
+    disk_tier_dir: str = ""
+    #: The disk tier's size, GB (with disk_tier_dir).
+    disk_tier_gb: float = 1.0
     #: Seconds between heartbeats to the allocator.
     heartbeat_interval: float = 2.0
     #: Give up registering after this many seconds (0: keep trying).
@@ -94,6 +102,12 @@ class WorkerSettings(EnvSettings):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:<n>, got {self.device!r}")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0 (0: torch's default), got {self.torch_threads}")
+        if not (0 <= self.host_tier_gb < 1e6) or not (0 < self.disk_tier_gb < 1e6):
+            raise ValueError(f"host_tier_gb must be >= 0 and disk_tier_gb > 0 (GB), got {self.host_tier_gb} "
+                             f"and {self.disk_tier_gb}")
+        if self.disk_tier_dir and not self.host_tier_gb:
+            raise ValueError("a disk tier (disk_tier_dir) keeps blocks evicted from the host tier: "
+                             "give host_tier_gb too")
         check_positive(self, "heartbeat_interval")
         check_positive(self, "register_timeout", allow_zero=True)
 

@@ -19,6 +19,8 @@ from prometheus_client.core import Metric
 from kvservice.common.metrics import KERNEL_BUCKETS, RPC_BUCKETS, MetricsInterceptor, family, histogram
 from worker.pool import KVPool
 
+TIER_NAMES = {0: "device", 1: "host", 2: "disk"}
+
 KERNELS = ("reshape_and_cache", "paged_attention", "copy_blocks")
 #: Kernel timings waiting for their CUDA events; beyond this, the oldest is read back synchronously.
 MAX_PENDING = 4096
@@ -77,6 +79,7 @@ class WorkerMetrics:
         self.pool = pool
         self.runner = runner
         self.fence = fence          # (worker.fence.LeaseFence: its refused writes)
+        self.tiers = None           # (worker.tiers.Tiers: blocks moved between tiers)
         self.registry = CollectorRegistry()
         self.rpc_seconds = histogram("rpc_duration_seconds", self.registry, RPC_BUCKETS)
         self.kernel_seconds = histogram("worker_kernel_duration_seconds", self.registry, KERNEL_BUCKETS)
@@ -102,6 +105,15 @@ class WorkerMetrics:
             f = family(short)
             f.add_metric(labels, float(value))
             yield f
+        tiers = getattr(self, "tiers", None)        # (worker.tiers.Tiers, when the pool has any)
+        if tiers is not None:
+            for short, counts in (("worker_tier_moved_blocks_total", tiers.moved),
+                                  ("worker_tier_moved_bytes_total", tiers.moved_bytes),
+                                  ("worker_tier_failed_moves_total", tiers.failed)):
+                f = family(short)
+                for (src, dst), n in sorted(counts.items()):
+                    f.add_metric([self.pool_id, TIER_NAMES[src], TIER_NAMES[dst]], float(n))
+                yield f
         f = family("worker_refused_writes_total")
         for reason, n in sorted((self.fence.refused if self.fence is not None else {}).items()):
             f.add_metric([self.pool_id, reason], float(n))

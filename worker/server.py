@@ -33,6 +33,7 @@ from worker.fence import LeaseFence
 from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
+from worker.tiers import DiskTier, HostTier, Tiers, entries_for_budget
 
 if TYPE_CHECKING:
     from worker.model import ModelRunner
@@ -115,13 +116,31 @@ def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
 
 #: Who may call the Worker service: engines (tenants) and admins; a worker calls no worker.
 ROLES = {f"/{SERVICE_NAME}/{method}": frozenset(("tenant", "admin"))
-         for method in ("Describe", "WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward")}
+         for method in ("Describe", "WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward", "MoveBlocks")}
+
+
+def build_tiers(settings: WorkerSettings, pool: KVPool) -> Tiers | None:
+    """The pool's lower tiers from the settings (None: none): a host tier of
+    ``host_tier_gb``, a disk tier of ``disk_tier_gb`` in ``disk_tier_dir``."""
+    if not settings.host_tier_gb:
+        return None
+    host_entries = entries_for_budget(int(settings.host_tier_gb * 1e9), pool.shape)
+    host = HostTier(pool.shape, host_entries, pin=pool.device.type == "cuda")
+    disk = None
+    if settings.disk_tier_dir:
+        disk = DiskTier(pool.shape, entries_for_budget(int(settings.disk_tier_gb * 1e9), pool.shape),
+                        settings.disk_tier_dir, settings.pool_id)
+    log.info("pool %s: a host tier of %d blocks (%.1f MB at %#x)%s", settings.pool_id, host_entries,
+             host.data.numel() / 1e6, host.data.data_ptr(),
+             f", a disk tier of {disk.num_entries} blocks in {disk.path} ({'new' if disk.created else 'kept'})"
+             if disk else "")
+    return Tiers(pool, host, disk)
 
 
 async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = "",
                         runner: ModelRunner | None = None, metrics: WorkerMetrics | None = None,
                         tokens: TokenFile | None = None, tls: ServerTls | None = None,
-                        fence: LeaseFence | None = None
+                        fence: LeaseFence | None = None, tiers: Tiers | None = None
                         ) -> tuple[grpc.aio.Server, int, common_grpc.HealthServicer]:
     """A not-yet-started server with the Worker, health and reflection services
     (``runner``: the model ``Forward`` serves; None: K/V only; ``metrics``: RPCs are timed).
@@ -142,7 +161,7 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
     if fence is None:
         fence = LeaseFence()
     fence.require_lease = fence.require_lease or authenticated
-    servicer = WorkerServicer(pool, pool_id, allocator, runner, fence)
+    servicer = WorkerServicer(pool, pool_id, allocator, runner, fence, tiers)
     return await build_server(address, [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)], [SERVICE_NAME],
                               interceptors=interceptors, max_message=MAX_MESSAGE, serving=False,
                               credentials=tls.credentials() if tls else None)
@@ -159,8 +178,10 @@ class Registrar:
     (``refresh``)."""
 
     def __init__(self, pool: KVPool, pool_id: str, allocator: str, advertise: str, timeout: float,
-                 credentials: ClientCredentials | None = None, fence: LeaseFence | None = None) -> None:
+                 credentials: ClientCredentials | None = None, fence: LeaseFence | None = None,
+                 tiers: Tiers | None = None) -> None:
         self.pool = pool
+        self.tiers = tiers
         self.fence = fence if fence is not None else LeaseFence()
         self.pool_id = pool_id
         self.address = advertise
@@ -169,6 +190,7 @@ class Registrar:
         self.stub = allocator_pb2_grpc.AllocatorStub(self.channel)
         #: A heartbeat asked by the fence found the pool registered again elsewhere.
         self.taken_over: PoolTakenOver | None = None
+        self.registered = False
         self.fence.refresh = self.refresh
 
     async def register(self) -> int:
@@ -177,6 +199,13 @@ class Registrar:
         request = allocator_pb2.RegisterPoolRequest(
             pool_id=self.pool_id, worker_address=self.address, request_id=uuid.uuid4().hex,
             geometry=s.geometry.to_pb())
+        if self.tiers is not None:
+            host, disk = self.tiers.host, self.tiers.disk
+            request.host_tier_blocks = host.num_entries if host else 0
+            request.disk_tier_blocks = disk.num_entries if disk else 0
+            # (the disk tier's file holds what the allocator knows of: an earlier process's
+            # entries, or this one's after its first registration)
+            request.disk_tier_kept = disk is not None and (not disk.created or self.registered)
         start, delay, attempts = time.monotonic(), 0.1, 0
         while True:
             attempts += 1
@@ -193,6 +222,7 @@ class Registrar:
                 delay = min(delay * 2, 2.0)
         self.pool.epoch = reply.epoch
         self.fence.generation = reply.generation
+        self.registered = True
         log.info("pool %s registered at epoch %d (%d blocks of %d tokens)", self.pool_id, reply.epoch,
                  s.num_blocks, s.block_size)
         return reply.epoch
@@ -269,12 +299,15 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
                  sum(p.numel() for p in model.parameters()), pool.device)
     else:
         pool = build_pool(settings)
+    tiers = build_tiers(settings, pool)
     metrics = http = None
     if settings.metrics_port >= 0:
         metrics = WorkerMetrics(settings.pool_id, pool, runner, fence)
+        metrics.tiers = tiers
         metrics.attach()
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
-                                                        settings.allocator, runner, metrics, tokens, tls, fence)
+                                                        settings.allocator, runner, metrics, tokens, tls, fence,
+                                                        tiers)
     await server.start()
     if metrics is not None:
         http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
@@ -290,7 +323,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         if settings.allocator:
             advertise = settings.advertise or f"{settings.host}:{port}"
             registrar = Registrar(pool, settings.pool_id, settings.allocator, advertise, settings.register_timeout,
-                                  credentials, fence)
+                                  credentials, fence, tiers)
             registering = asyncio.ensure_future(registrar.register())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait([registering, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -322,4 +355,6 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
             http.stop()
         if registrar is not None:
             await registrar.close()
+        if tiers is not None:
+            tiers.close()
     return code

@@ -10,6 +10,7 @@ from kvservice.v1 import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.fence import LeaseFence
 from worker.pool import KVPool
+from worker.tiers import Tiers
 
 if TYPE_CHECKING:
     from worker.model import ModelRunner
@@ -24,11 +25,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         allocator: the allocator it registered with ("" when standalone).
         runner: the model served by ``Forward`` (None: K/V only).
         fence: the dead leases whose writes are refused (``worker/fence.py``).
+        tiers: the pool's lower tiers (``MoveBlocks``; None: none).
     """
 
     def __init__(self, pool: KVPool, pool_id: str, allocator: str = "", runner: ModelRunner | None = None,
-                 fence: LeaseFence | None = None) -> None:
+                 fence: LeaseFence | None = None, tiers: Tiers | None = None) -> None:
         self.pool = pool
+        self.tiers = tiers
         self.pool_id = pool_id
         self.allocator = allocator
         self.runner = runner
@@ -93,6 +96,25 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await self.fence.check_generation(request.generation, "CopyBlocks")
         return pb.CopyBlocksResponse(num_copied=self.pool.copy([(p.src, p.dst) for p in request.pairs]))
 
+    async def MoveBlocks(self, request: pb.MoveBlocksRequest, context: Any) -> pb.MoveBlocksResponse:
+        self._check_epoch(request.epoch)
+        self.fence.check(request.lease_id, "MoveBlocks")
+        await self.fence.check_generation(request.generation, "MoveBlocks")
+        if len(request.moves) > MAX_MOVES:
+            raise errors.InvalidArgument(f"at most {MAX_MOVES} moves per call, got {len(request.moves)}")
+        for i, m in enumerate(request.moves):
+            if not (0 <= m.src_tier <= 2 and 0 <= m.dst_tier <= 2):
+                raise errors.InvalidArgument(f"moves[{i}]: tiers are 0 (device), 1 (host), 2 (disk); got "
+                                             f"{m.src_tier} -> {m.dst_tier}")
+            if len(m.block_hash) > 16:
+                raise errors.InvalidArgument(f"moves[{i}].block_hash has {len(m.block_hash)} bytes, at most 16")
+        if self.tiers is None:
+            raise errors.FailedPrecondition("this worker has no lower tier (start it with --host-tier-gb)")
+        done = self.tiers.run([(m.src_tier, m.src, m.dst_tier, m.dst, m.block_hash) for m in request.moves])
+        moved = sum(1 for e in done if not e)
+        return pb.MoveBlocksResponse(results=[pb.MoveResult(ok=not e, error=e) for e in done],
+                                     bytes_moved=moved * self.pool.shape.bytes_per_block)
+
     async def Forward(self, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
         self._check_epoch(request.epoch)
         self.fence.check(request.lease_id, "Forward")
@@ -115,6 +137,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 
 MAX_EXTRA_SAMPLES = 256
+#: Orders in one MoveBlocks call at most.
+MAX_MOVES = 65_536
 
 
 def _extra_samples(request: pb.ForwardRequest, sequences: list) -> list[tuple[int, list]]:

@@ -34,6 +34,7 @@ ROLES: dict[str, frozenset[str]] = {SERVICE + method: frozenset(roles) for metho
     "GetSequence": (TENANT, ADMIN),
     "Sync": (TENANT, ADMIN),
     "Audit": (ADMIN,),
+    "SettleTiers": (TENANT, WORKER, ADMIN),
 }.items()}
 
 #: Lease id -> tenant entries kept (a lease's tenant never changes).

@@ -10,6 +10,8 @@
 - the counts reported by the stats equal the sets they count;
 - every sequence record is well formed (table length matches its token count, committed
   blocks are full) and indexed under its lease, and every lease index entry has a record;
+- every entry of each lower tier (``tiers.audit_tiers``) is in exactly one of {free,
+  never used, pending, ready}, and the tier's hash -> entry and entry -> hash maps agree;
 - the holdings kept for the quotas (``scripts/lib/held.lua``) are what the leases hold:
   per lease its tables' block references plus its reserve, at least its sequences; per
   tenant the sums over its leases.
@@ -23,6 +25,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from kvservice.allocator.domain import LeaseHoldings, PoolInfo
+from kvservice.allocator.tiers import audit_tiers
 from kvservice.common.settings import check_pool_id
 from kvservice.errors import InvalidArgument, NotFound
 
@@ -282,6 +285,7 @@ async def run_audit(allocator: Allocator, pool_id: str = "", *,
             # (the check is Python over the whole snapshot: in a thread, so that the
             # replica's event loop goes on serving meanwhile)
             found = await asyncio.to_thread(audit_pool, p, snap, snap["counts"])
+            found += await asyncio.to_thread(audit_tiers, p, snap["meta"], await allocator.store.tier_snapshot(p))
             return found, lease_holdings(p, snap) if holdings is not None else [], \
                 allocator.pool_info(p, snap["counts"])
 

@@ -25,6 +25,7 @@ from kvservice.allocator.reaping import ReapSchedule
 from kvservice.allocator.reserves import ReserveOps
 from kvservice.allocator.steps import FAN_OUT, StepOps
 from kvservice.allocator.store import Store
+from kvservice.allocator.tiers import MAX_TIER_BLOCKS, TierOps, tier_stats
 from kvservice.common.geometry import Geometry
 from kvservice.common.redis_errors import REDIS_DOWN
 from kvservice.common.security import read_secret
@@ -40,7 +41,7 @@ REAP_CALL_TIMEOUT = 2.0
 DEFAULT_PAGE, MAX_PAGE = 100, 1000
 
 
-class Allocator(StepOps, ReserveOps):
+class Allocator(StepOps, ReserveOps, TierOps):
     """Pools, leases and sequences over one ``Store``."""
 
     def __init__(self, store: Store, settings: Settings | None = None) -> None:
@@ -64,20 +65,25 @@ class Allocator(StepOps, ReserveOps):
     # ------------------------------------------------------------ pools
 
     async def register_pool(self, pool_id: str, geometry: Geometry, worker_address: str = "",
-                            request_id: str = "") -> PoolInfo:
+                            request_id: str = "", host_tier_blocks: int = 0, disk_tier_blocks: int = 0,
+                            disk_tier_kept: bool = False) -> PoolInfo:
         if pool_id:
             check_pool_arg(pool_id)
         geometry.check()
         check_request_id(request_id)
         if len(worker_address) > 256:
             raise errors.InvalidArgument("worker_address is longer than 256 characters")
+        for name, n in (("host_tier_blocks", host_tier_blocks), ("disk_tier_blocks", disk_tier_blocks)):
+            if not 0 <= n <= MAX_TIER_BLOCKS:
+                raise errors.InvalidArgument(f"{name} must be in 0..{MAX_TIER_BLOCKS}, got {n}")
         if not pool_id:
             pool_id = await self.store.new_pool_id(request_id, self._request_ttl_ms())
         payload = {"pool": pool_id, "request_id": request_id, "request_ttl_ms": self._request_ttl_ms(),
                    "num_blocks": geometry.num_blocks, "block_size": geometry.block_size,
                    "num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads,
                    "head_dim": geometry.head_dim, "dtype": geometry.dtype,
-                   "worker_address": worker_address}
+                   "worker_address": worker_address, "host_entries": host_tier_blocks,
+                   "disk_entries": disk_tier_blocks, "disk_kept": bool(disk_tier_kept)}
         payload["fingerprint"] = fingerprint("register", payload)
         reply = await self.store.register_pool(payload)
         self._geometry[pool_id] = (int(reply["epoch"]), geometry)
@@ -135,14 +141,16 @@ class Allocator(StepOps, ReserveOps):
         meta = counts["meta"]
         geometry = geometry_of(meta)
         self._geometry[pool_id] = (int(meta["epoch"]), geometry)
-        stats: dict[str, float] = {k: v for k, v in counts.items() if k.startswith("num_")}
+        stats: dict[str, Any] = {k: v for k, v in counts.items() if k.startswith("num_")}
         stats.update(counts["stats"])
+        stats["tiers"] = tier_stats(meta, counts)
         stats["generations"] = int(meta.get("generations", 0))
         stats["num_blocks"] = geometry.num_blocks
         stats["usage"] = counts["num_used_blocks"] / geometry.num_blocks
         return PoolInfo(pool_id, int(meta["epoch"]), geometry, meta.get("worker_address", ""),
                         int(meta.get("registered_ms", 0)), stats, int(meta.get("heartbeat_ms", 0)),
-                        int(meta.get("generation", 0)))
+                        int(meta.get("generation", 0)), int(meta.get("host_entries", 0)),
+                        int(meta.get("disk_entries", 0)))
 
     async def heartbeat(self, pool_id: str, epoch: int, dead_since_ms: int = 0) -> Heartbeat:
         """Records a worker's heartbeat; returns the epoch, the Redis time, the leases that

@@ -61,6 +61,8 @@ class Create:
     token_ids: tuple[int, ...]
     pool_id: str = ""
     extra_key: bytes = b""
+    #: the caller runs the step's lower-tier loads (StepRequest.tier_loads)
+    tier_loads: bool = False
 
 
 @dataclass(slots=True)
@@ -107,6 +109,8 @@ class StepOutcome:
     failed_pools: list[str] = field(default_factory=list)
     #: the generation of each pool whose part was applied
     generations: dict[str, int] = field(default_factory=dict)
+    #: lower-tier orders (pool, epoch, src_tier, src, dst_tier, dst, block hash): TierOrder
+    tier_orders: list[tuple[str, int, int, int, int, int, bytes]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +185,14 @@ class ReserveGrant:
     #: The pool's generation; ``rolled_back``: the client's was another one (nothing applied).
     generation: int = 0
     rolled_back: bool = False
+    #: copies down a tier of the blocks the refill evicted (StepOutcome.tier_orders)
+    tier_orders: tuple[tuple[str, int, int, int, int, int, bytes], ...] = ()
+
+
+def tier_orders_of(pool_id: str, epoch: int, reply: dict) -> list[tuple[str, int, int, int, int, int, bytes]]:
+    """A script reply's ``tier_orders`` ([src_tier, src, dst_tier, dst, hash hex]) as tuples."""
+    return [(pool_id, epoch, int(o[0]), int(o[1]), int(o[2]), int(o[3]), bytes.fromhex(o[4]))
+            for o in reply.get("tier_orders") or ()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +226,8 @@ class PoolInfo:
     stats: dict[str, float] = field(default_factory=dict)
     last_heartbeat_ms: int = 0
     generation: int = 0
+    host_tier_blocks: int = 0
+    disk_tier_blocks: int = 0
 
 
 #: ``<pool>/<epoch>/<n>-<tag>``: ASCII digits only (``str.isdigit`` also takes "²" and

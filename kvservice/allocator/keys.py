@@ -37,7 +37,13 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
   ``L:<lease>`` -> ``"<tenant> <blocks> <sequences>"``, ``T:<tenant>`` -> ``"<blocks>
   <sequences> <leases>"``
 
-Everything but ``meta`` belongs to one epoch and is dropped when the pool re-registers.
+- per lower tier (``host:`` and ``disk:``, DESIGN §12, ``scripts/lib/tiers.lua``):
+  ``state`` hash (``fresh``: entries at or above it were never used; ``clock``: the LRU
+  counter), ``free`` list of free entries, ``h2e`` hash: block hash -> entry, ``e2h``
+  hash: entry -> block hash, ``lru`` zset: ready entries -> LRU clock, ``pend`` zset:
+  entries whose copy is not confirmed yet -> when it was ordered (ms). An entry is free,
+  never used, pending (in ``e2h`` and ``pend``) or ready (in ``e2h`` and ``lru``).
+Everything but ``meta`` and the ``disk:`` keys belongs to one epoch and is dropped when the pool re-registers.
 
 Per request (same slot as its pool): ``kvs:{<pool>}:req:<request id>``, the fingerprint
 of the request and its reply (``scripts/lib/request.lua``). Per lease:
@@ -62,11 +68,13 @@ POOL_COUNTER = f"{PREFIX}:pools:next"
 #: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
-                  "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal", "held")
+                  "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal", "held",
+                  *(f"{tier}:{name}" for tier in ("host", "disk")
+                    for name in ("state", "free", "h2e", "e2h", "lru", "pend")))
 
 
 def pool_keys(pool_id: str) -> list[str]:
-    """The 16 keys of one pool, in script KEYS order."""
+    """The 28 keys of one pool, in script KEYS order."""
     return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
 
 

@@ -105,3 +105,25 @@ class PoolCollector:
             seen = info.last_heartbeat_ms or info.registered_at_ms
             out["pool_heartbeat_age_seconds"].add_metric(labels, max(0, now_ms - seen) / 1000)
         yield from out.values()
+        yield from tier_families(pools)
+
+
+#: TierStats field -> metric (per pool and tier).
+TIER_SERIES = {"num_blocks": "pool_tier_capacity_blocks", "num_used_blocks": "pool_tier_used_blocks",
+               "num_pending_blocks": "pool_tier_pending_blocks", "hit_tokens": "pool_tier_hit_tokens_total",
+               "blocks_in": "pool_tier_blocks_in_total", "blocks_out": "pool_tier_blocks_out_total",
+               "confirmed": "pool_tier_confirmed_total", "load_failures": "pool_tier_load_failures_total",
+               "failed_copies": "pool_tier_failed_copies_total", "lost_copies": "pool_tier_lost_copies_total",
+               "evictions": "pool_tier_evictions_total"}
+
+
+def tier_families(pools: list[Any]) -> Iterable[Metric]:
+    """The lower tiers' series of every pool that has them."""
+    out = {short: family(short) for short in (*TIER_SERIES.values(), "pool_tier_offload_lag_seconds_total")}
+    for info in pools:
+        for t in info.stats.get("tiers", ()):
+            labels = [info.pool_id, t["tier"]]
+            for field, short in TIER_SERIES.items():
+                out[short].add_metric(labels, float(t[field]))
+            out["pool_tier_offload_lag_seconds_total"].add_metric(labels, t["offload_lag_ms_sum"] / 1000)
+    yield from out.values()

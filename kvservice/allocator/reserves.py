@@ -12,7 +12,7 @@ from typing import Any
 from kvservice import errors
 from kvservice.allocator.checks import MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint, lease_info
 from kvservice.allocator.codec import ScriptError
-from kvservice.allocator.domain import LeaseInfo, ReserveGrant, ReserveRequest
+from kvservice.allocator.domain import LeaseInfo, ReserveGrant, ReserveRequest, tier_orders_of
 from kvservice.allocator.journal import RESYNC_WORK, journal_chunks, journal_payload, resync_payload
 
 
@@ -153,6 +153,7 @@ class ReserveOps:
             "first_entry": r.first_entry + offset, "journal": part, "want": r.want_blocks, "returned": returned,
             "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks}, self.store.sync)
         granted, last = list(reply["granted"]), reply
+        orders = tier_orders_of(r.pool_id, reply["epoch"], reply)
         # What a step needs at once, max_blocks_per_call per call (under request ids of their
         # own, so that a resend gets the same blocks).
         k = 0
@@ -163,11 +164,12 @@ class ReserveOps:
                 **base, **idle, "request_id": rid, "fingerprint": fingerprint("sync-need", request + [k]) if rid else "",
                 "first_entry": 1, "journal": {"n": 0}, "need": r.need_blocks}, self.store.sync)
             granted += last["granted"]
+            orders += tier_orders_of(r.pool_id, last["epoch"], last)
         quota = last["quota"] or reply["quota"]
         return ReserveGrant(r.pool_id, last["epoch"], granted, last["num_reserved"], last["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"],
                             quota=quota, quota_limit=last["quota_limit"] if last["quota"] else reply["quota_limit"],
-                            generation=int(last["generation"]))
+                            generation=int(last["generation"]), tier_orders=tuple(orders))
 
     async def _resync_parts(self, lease_id: str, pool_id: str, payload: dict[str, Any],
                             claims: list[dict[str, Any]]) -> dict[str, Any]:

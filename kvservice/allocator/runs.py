@@ -29,7 +29,6 @@ import secrets
 from typing import Any, NamedTuple
 
 from kvservice import errors
-from kvservice.allocator.checks import fingerprint
 from kvservice.allocator.codec import LEASE_UNKNOWN, RUN_SHORT, STALE_EPOCH, ScriptError, TOO_BIG
 from kvservice.allocator.generations import known_generation
 from kvservice.common import hashing
@@ -339,6 +338,7 @@ class RunOps:
         for i, kids in children.items():
             out_updates[i]["children"] = [_record(k) for k in kids]
         out = {"epoch": epoch, "updates": out_updates, "created": [_record(c) for c in created], "copies": copies,
+               "tier_orders": list(last.get("tier_orders") or []) if last is not None else [],
                "generation": last["generation"] if last is not None else await self.store.generation(pool_id)}
         if request_id:
             await self.store.remember(pool_id, request_id, digest, out, self._request_ttl_ms())

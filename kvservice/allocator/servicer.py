@@ -17,14 +17,15 @@ from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
 #: The pool's figures and counters (the tenant's own holdings and quotas are GetPoolStats').
-STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in ("pool_id", "epoch")
+STAT_FIELDS = [f.name for f in pb.PoolStats.DESCRIPTOR.fields if f.name not in ("pool_id", "epoch", "tiers")
                and not f.name.startswith(("tenant", "quota_"))]
 
 
 def pool_to_pb(info: PoolInfo) -> pb.Pool:
     out = pb.Pool(pool_id=info.pool_id, epoch=info.epoch, worker_address=info.worker_address,
                   registered_at_ms=info.registered_at_ms, last_heartbeat_ms=info.last_heartbeat_ms,
-                  geometry=info.geometry.to_pb(), generation=info.generation)
+                  geometry=info.geometry.to_pb(), generation=info.generation,
+                  host_tier_blocks=info.host_tier_blocks, disk_tier_blocks=info.disk_tier_blocks)
     if info.stats:
         out.stats.CopyFrom(stats_to_pb(info))
     return out
@@ -40,7 +41,9 @@ def stats_to_pb(info: PoolInfo) -> pb.PoolStats:
     ident = caller()
     if ident is not None and ident.role == TENANT:
         values = {k: v for k, v in values.items() if k in POOL_FIGURES}
-    return pb.PoolStats(pool_id=info.pool_id, epoch=info.epoch, **values)
+        return pb.PoolStats(pool_id=info.pool_id, epoch=info.epoch, **values)
+    return pb.PoolStats(pool_id=info.pool_id, epoch=info.epoch, **values,
+                        tiers=[pb.TierStats(**t) for t in info.stats.get("tiers", ())])
 
 
 def lease_to_pb(lease: LeaseInfo) -> pb.Lease:
@@ -54,7 +57,12 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
                           applied_entries=g.applied_entries, first_sequence_number=g.first_sequence_number,
                           num_sequence_numbers=g.num_sequence_numbers, lost_sequences=g.lost_sequences,
                           reserve_blocks=g.reserve_blocks, resynced=g.resynced, quota=g.quota,
-                          quota_limit=g.quota_limit, generation=g.generation, rolled_back=g.rolled_back)
+                          quota_limit=g.quota_limit, generation=g.generation, rolled_back=g.rolled_back,
+                          tier_orders=[tier_order_to_pb(o) for o in g.tier_orders])
+
+
+def tier_order_to_pb(o: tuple[str, int, int, int, int, int, bytes]) -> pb.TierOrder:
+    return pb.TierOrder(pool_id=o[0], epoch=o[1], src_tier=o[2], src=o[3], dst_tier=o[4], dst=o[5], block_hash=o[6])
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
@@ -93,12 +101,13 @@ def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
     out.copies.extend(pb.CopyPair(pool_id=p, src=a, dst=b) for p, a, b in o.copies)
     out.failed_pools.extend(o.failed_pools)
     out.generations.update(o.generations)
+    out.tier_orders.extend(tier_order_to_pb(x) for x in o.tier_orders)
     return out
 
 
-def create_from_pb(c: Any) -> Create:
+def create_from_pb(c: Any, tier_loads: bool = False) -> Create:
     # The repeated field goes as it is: it is read once, into bytes, by the allocator.
-    return Create(c.token_ids, c.pool_id, c.extra_key)
+    return Create(c.token_ids, c.pool_id, c.extra_key, tier_loads)
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
@@ -111,7 +120,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             raise InvalidArgument("geometry is required")
         Access.pool(request.pool_id, "RegisterPool")
         info = await self.a.register_pool(request.pool_id, Geometry.from_pb(request.geometry), request.worker_address,
-                                          request.request_id)
+                                          request.request_id, request.host_tier_blocks, request.disk_tier_blocks,
+                                          request.disk_tier_kept)
         return pool_to_pb(await self.a.describe_pool(info.pool_id))
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Any) -> pb.ListPoolsResponse:
@@ -171,7 +181,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         # SeqUpdate messages carry the fields of model.Update under the same names: they
         # go to the allocator as they are (no copy on the decode hot path).
         out = await self.a.step(request.lease_id, request.updates,
-                                [create_from_pb(c) for c in request.creates], request.request_id,
+                                [create_from_pb(c, request.tier_loads) for c in request.creates], request.request_id,
                                 request.generations)
         reply = outcome_to_pb(out)
         if synced is not None:
@@ -210,6 +220,12 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                  for p in request.pools]
         lease, grants = await self.a.sync(request.lease_id, pools, request.request_id)
         return pb.SyncResponse(lease=lease_to_pb(lease), pools=[reserve_to_pb(g) for g in grants])
+
+    async def SettleTiers(self, request: pb.SettleTiersRequest, context: Any) -> pb.SettleTiersResponse:
+        Access.pool(request.pool_id, "SettleTiers")
+        n = await self.a.settle_tiers(request.pool_id, request.epoch,
+                                      [(s.tier, s.entry, s.block_hash, s.ok) for s in request.settled])
+        return pb.SettleTiersResponse(num_settled=n)
 
     async def Audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:
         holdings: list[LeaseHoldings] = []

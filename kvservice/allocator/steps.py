@@ -18,7 +18,7 @@ from kvservice.allocator.codec import STALE_EPOCH, TOO_BIG, ScriptError
 from kvservice.allocator.generations import KNOWN_GENERATIONS, known_generation
 from kvservice.allocator.runs import RunOps
 from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
-                                        parse_sequence_id)
+                                        parse_sequence_id, tier_orders_of)
 from kvservice.common import hashing
 from kvservice.common.auth import caller
 from kvservice.common.geometry import Geometry
@@ -248,7 +248,7 @@ class StepOps(RunOps):
             n = len(data) // 4
             hs = hashing.chain_hashes(root, data, bs, n // bs)
             creates.append({"epoch": epoch, "num_tokens": n, "root_hash": root.hex(),
-                            "block_hashes": [h.hex() for h in hs]})
+                            "block_hashes": [h.hex() for h in hs], "tier_loads": c.tier_loads})
             items["hashes"].append(hs)
         return creates
 
@@ -330,6 +330,7 @@ class StepOps(RunOps):
             state.block_hashes = tuple(items["hashes"][j][:state.num_committed_blocks])
             outcome.created[i] = state
         outcome.copies.extend((pool_id, src, dst) for src, dst in reply["copies"])
+        outcome.tier_orders.extend(tier_orders_of(pool_id, epoch, reply))
         outcome.generations[pool_id] = int(reply["generation"])
 
     def _salt(self, tenant: str) -> str:

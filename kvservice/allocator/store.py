@@ -341,6 +341,33 @@ class Store:
                                 {"pool": pool_id, "epoch": epoch, "dead_since_ms": dead_since_ms,
                                  "max_dead": max_dead})
 
+    async def tier_settle(self, pool_id: str, epoch: int, settled: list[list[Any]]) -> dict[str, Any]:
+        """The worker's word on lower-tier orders of one pool (``tier_settle.lua``)."""
+        return await self._call("tier_settle", keys.pool_keys(pool_id),
+                                {"pool": pool_id, "epoch": epoch, "settled": settled})
+
+    async def tier_snapshot(self, pool_id: str) -> dict[str, dict[str, Any]]:
+        """The lower tiers' keys of one pool, read in one transaction (for the audit):
+        per tier its state, free list, h2e, e2h, lru and pend, decoded."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for tier in ("host", "disk"):
+                k = {n: keys.pool_key(pool_id, f"{tier}:{n}") for n in ("state", "free", "h2e", "e2h", "lru", "pend")}
+                pipe.hgetall(k["state"])
+                pipe.lrange(k["free"], 0, -1)
+                pipe.hgetall(k["h2e"])
+                pipe.hgetall(k["e2h"])
+                pipe.zrange(k["lru"], 0, -1)
+                pipe.zrange(k["pend"], 0, -1)
+            res = await pipe.execute()
+        out = {}
+        for i, tier in enumerate(("host", "disk")):
+            state, free, h2e, e2h, lru, pend = res[6 * i:6 * i + 6]
+            out[tier] = {"state": {a.decode(): int(b) for a, b in state.items()}, "free": [int(x) for x in free],
+                         "h2e": {a.decode(): int(b) for a, b in h2e.items()},
+                         "e2h": {int(a): b.decode() for a, b in e2h.items()},
+                         "lru": [int(x) for x in lru], "pend": [int(x) for x in pend]}
+        return out
+
     async def probe(self, pool_id: str, epoch: int, hashes: list[str]) -> dict[str, Any]:
         return await self._call("probe", keys.pool_keys(pool_id),
                                 {"pool": pool_id, "epoch": epoch, "block_hashes": hashes})
@@ -469,10 +496,13 @@ class Store:
         pipe.zcard(k["leases"])
         pipe.hlen(k["reserve"])
         pipe.hgetall(k["stats"])
+        for tier in ("host", "disk"):
+            pipe.zcard(k[f"{tier}:lru"])
+            pipe.zcard(k[f"{tier}:pend"])
 
     @staticmethod
     def _counts(results: list[Any]) -> dict[str, Any] | None:
-        meta, fresh, nfree, nevict, nref, nseqs, nleases, nreserved, stats = results
+        meta, fresh, nfree, nevict, nref, nseqs, nleases, nreserved, stats, *tiers = results
         if not meta or b"num_blocks" not in meta:
             return None
         meta = {a.decode(): b.decode() for a, b in meta.items()}
@@ -485,6 +515,7 @@ class Store:
             "num_leases": nleases,
             "num_reserved_blocks": nreserved,
             "stats": {a.decode(): int(b) for a, b in stats.items()},
+            "tiers": {"host": tiers[0:2], "disk": tiers[2:4]},     # ready, pending entries
         }
 
     async def pool_counts(self, pool_id: str) -> dict[str, Any] | None:

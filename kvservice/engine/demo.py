@@ -9,6 +9,10 @@ requests are chats and the answers are printed as text with their cached prompt 
 with a seeded preset (``tiny-llama``: random weights) they are random token ids. The
 engine uses the SDK's local mode (``--remote``: the Step path). Progress goes to stderr,
 the answers and the report to stdout.
+
+The workers' pools are small (``--num-blocks`` 24) and each has a host tier
+(``--host-tier-gb``): after the workload, a second turn of the first chats finds their
+first turn's blocks evicted from the device and loads them from the host tier (DESIGN §12).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from kvservice.engine import Completion, Engine, Progress, Report, Request
 from kvservice.engine.text import Message, Tokenizer
 from kvservice.tools.launcher import Stack
 
+#: Chats asked again at the end (their prompts' blocks come back from the host tier).
+AGAIN = 3
+FOLLOW_UP = "\n<|im_start|>user\nThank you. Can you say it in other words?<|im_end|>\n<|im_start|>assistant\n"
 #: The report's figures, in order, with their labels and formats.
 FIGURES = (
     ("requests", "requests completed", "{}"),
@@ -121,8 +128,9 @@ def main(args: argparse.Namespace) -> int:
     log = (lambda msg: print(msg, file=sys.stderr)) if not args.quiet else (lambda msg: None)
     log(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model} "
         f"(each worker loads the model) ...")
+    tiers = ("--host-tier-gb", str(args.host_tier_gb)) if args.host_tier_gb else ()
     with Stack(args.workers, model=args.model, block_size=args.block_size, kv_memory=args.kv_memory,
-               num_blocks=args.num_blocks) as stack:
+               num_blocks=args.num_blocks, worker_args=tiers) as stack:
         log(f"stack up in {time.monotonic() - started:.1f} s:")
         for line in stack.describe():
             log(f"  {line}")
@@ -138,6 +146,16 @@ def main(args: argparse.Namespace) -> int:
                 shared = "3 shared prompt prefixes"
             log(f"running {len(requests)} requests ({sum(r.n for r in requests)} samples) over {shared} ...")
             report = engine.run(requests)
+            again = None
+            if args.host_tier_gb and questions:
+                # A second turn of the first chats, after the whole workload went through the
+                # pools: their first turn's blocks were evicted from the device, and come
+                # back from the host tier instead of being recomputed.
+                log("a second turn of the first chats ...")
+                follow = engine.tokenizer.encode(FOLLOW_UP)
+                again = engine.run([Request(r.prompt + c.outputs[0] + follow, max_new_tokens=1,
+                                            request_id=f"{r.request_id}-again")
+                                    for r, c in zip(requests[:AGAIN], report.completions)])
             audit = stack.audit()
             reserved = engine.client.reserved_blocks() if engine.local else 0
         if not args.quiet:
@@ -149,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
             log(f"  {problem}")
     log(f"stopped the stack ({time.monotonic() - started:.1f} s in all)")
     if args.json:
-        print(json.dumps(report.to_dict()))
+        print(json.dumps({**report.to_dict(), **({"again": again.to_dict()} if again else {})}))
     else:
         if questions:
             print("answers:")
@@ -157,6 +175,13 @@ def main(args: argparse.Namespace) -> int:
             print()
         print(f"report ({args.workers} worker(s), block size {args.block_size}):")
         print(format_report(report))
+        if again is not None:
+            cached = sum(c.num_cached_tokens for c in again.completions)
+            prompt = sum(c.num_prompt_tokens for c in again.completions)
+            print(f"a second turn of the first {len(again.completions)} chats: {cached} of their {prompt} prompt tokens "
+                  f"cached, {again.loaded_blocks} blocks of them loaded from the host tier "
+                  f"({report.offloaded_blocks + again.offloaded_blocks} blocks were copied down as the device "
+                  f"evicted them)")
         if not questions:
             for c in report.completions[:3]:
                 print(f"  {c.request_id}: {len(c.outputs)} sample(s), first tokens {c.outputs[0][:8]} "
@@ -172,8 +197,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tiny-llama: random weights, token ids)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--kv-memory", default="64MiB", help="KV memory per worker (default 64MiB)")
-    parser.add_argument("--num-blocks", type=int, default=0,
-                        help="KV blocks per worker (overrides --kv-memory; e.g. 20 shows preemption)")
+    parser.add_argument("--num-blocks", type=int, default=24,
+                        help="KV blocks per worker (default 24: small pools, so that the device evicts and the host "
+                             "tier keeps what it evicted; 0: --kv-memory decides)")
+    parser.add_argument("--host-tier-gb", type=float, default=0.1,
+                        help="each worker's host tier in GB (default 0.1; 0: none): after the workload the first "
+                             "chats are asked again, their evicted prompt blocks loaded from it")
     parser.add_argument("--requests", type=int, default=12, help="requests in the workload (default 12)")
     parser.add_argument("--max-new-tokens", type=int, default=64,
                         help="tokens per sample at most (default 64; a chat answer ends earlier at its end of "

@@ -53,6 +53,7 @@ from kvservice.engine.forward import ForwardPath
 from kvservice.engine.requests import (DECODE, FOLLOW, FORK, PREFILL, Completion, EngineBusy, Handle, Output,
                                        Progress, Report, Request, RequestError, _Job)
 from kvservice.engine.scheduler import Scheduler
+from kvservice.engine.tiers import TierPath
 from kvservice.engine.text import Tokenizer
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
@@ -63,7 +64,7 @@ log = logging.getLogger("kvservice.engine")
 REFRESH_S = 10.0
 
 
-class Engine(Scheduler, ForwardPath):
+class Engine(Scheduler, ForwardPath, TierPath):
     """Runs requests over the allocator at ``allocator`` and its workers.
 
     Args:
@@ -95,6 +96,7 @@ class Engine(Scheduler, ForwardPath):
             tenant = "engine"
         self.client = Client(allocator, tenant=tenant, lease_ttl=30.0, timeout=timeout, local=local,
                              credentials=self.credentials)
+        self.client.collect_tier_orders = True     # (run by the workers: kvservice/engine/tiers.py)
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.return_logits, self.progress, self.timeout = return_logits, progress, timeout
         self.max_waiting = max_waiting
@@ -113,6 +115,10 @@ class Engine(Scheduler, ForwardPath):
         self._to_free: list[Sequence] = []
         self._live: dict[str, Sequence] = {}          # every sequence holding blocks, by id
         self._unwritten: dict[str, set[int]] = {}     # per pool: blocks whose prompt is not computed yet
+        #: Per (pool, epoch): blocks whose hash promises content they do not hold (a failed
+        #: load, or a prompt that a failed step never wrote): computed again by whoever
+        #: counts them as cached (kvservice/engine/tiers.py).
+        self._tainted: dict[tuple[str, int], set[int]] = {}
         self._admit_order, self._hold, self._solo = itertools.count(1), False, False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -318,6 +324,7 @@ class Engine(Scheduler, ForwardPath):
             if seq is None:
                 continue
             b.seq, b.state, b.context = seq, PREFILL, tokens
+            b.recompute_from = -1
             self._live[seq.id] = seq
             r.prefix_hit_tokens += seq.num_cached_tokens
             if job.cached < 0:

@@ -65,6 +65,9 @@ class ForwardPath:
         """Builds each pool's ForwardRequest, calls the workers in parallel, applies the
         sampled tokens; returns the number of sequences computed."""
         r = self.report
+        self._move_blocks()         # (lower tiers: copies down and loads, before any write)
+        if self._tainted:
+            self._recompute_tainted()
         entries: dict[str, list[tuple[_Branch, _Job, wpb.ForwardSequence, str]]] = {}
 
         def add(pool: str, b: _Branch, job: _Job, fs: wpb.ForwardSequence, kind: str) -> None:
@@ -77,6 +80,8 @@ class ForwardPath:
                 sampling = _sampling(job.req, b.seed)
                 if b.state == PREFILL:
                     bs, start = s.block_size, s.num_cached_tokens
+                    if b.recompute_from >= 0:      # (a failed load: kvservice/engine/tiers.py)
+                        start = min(start, b.recompute_from)
                     if self._unwritten.get(s.pool, set()).intersection(s.block_table[:start // bs]):
                         continue   # reads blocks that another prompt writes this step: wait one
                     # n > 1: the other samples' first tokens are drawn from the same position.
@@ -110,7 +115,9 @@ class ForwardPath:
             for (b, job, fs, kind), token, row in zip(items, response.next_tokens, rows):
                 if kind == PREFILL:
                     r.prefill_tokens += len(fs.token_ids)
-                    self._unwritten[pool].difference_update(fs.block_table[fs.start_position // b.seq.block_size:])
+                    written = fs.block_table[fs.start_position // b.seq.block_size:]
+                    self._unwritten[pool].difference_update(written)
+                    self._tainted.get((pool, b.seq.epoch), set()).difference_update(written)
                     if fs.extra_samples:   # n > 1: the others' first tokens; they fork next step
                         for x in job.branches[1:]:
                             self._sampled(x, job, next(extra), row, FORK)
@@ -125,6 +132,11 @@ class ForwardPath:
         them (a pool whose worker stopped heartbeating is placed last: docs/allocator.md).
         The other pools' results of the step are kept."""
         jobs = [j for j in self._running if any(b.seq is not None and b.seq.pool == pool for b in j.branches)]
+        if getattr(exc, "reason", "") != "EPOCH_CHANGED":
+            # The pool lives on (the worker may come back at the same epoch): the prompts
+            # this step did not write keep the hashes their creates gave them.
+            for epoch in {b.seq.epoch for j in jobs for b in j.branches if b.seq is not None and b.seq.pool == pool}:
+                self._tainted.setdefault((pool, epoch), set()).update(self._unwritten.get(pool, ()))
         log.warning("the worker of pool %s failed a step (%s: %s): %d request(s) recomputed elsewhere",
                     pool, type(exc).__name__, exc, len(jobs))
         self.report.worker_failures += 1

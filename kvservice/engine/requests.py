@@ -149,7 +149,11 @@ class Report:
         prefill_tokens: prompt tokens computed by the workers.
         steps, preemptions, failed, seconds: engine steps, preemptions, failed requests,
             wall time. worker_failures: steps a worker failed (unreachable, or restarted
-            since: a new epoch); its requests were recomputed on the other pools. cancelled: requests cancelled. completions: one per request, in
+            since: a new epoch); its requests were recomputed on the other pools.
+        loaded_blocks, load_failures, offloaded_blocks: blocks loaded from a lower tier
+            (prefix hits there), loads that failed their checksum (recomputed), and blocks
+            copied down a tier, by the workers (DESIGN §12).
+        cancelled: requests cancelled. completions: one per request, in
             submission order (``run``; the online loop hands them to the handles).
     """
 
@@ -165,6 +169,9 @@ class Report:
     steps: int = 0
     preemptions: int = 0
     worker_failures: int = 0
+    loaded_blocks: int = 0
+    load_failures: int = 0
+    offloaded_blocks: int = 0
     failed: int = 0
     cancelled: int = 0
     seconds: float = 0.0
@@ -245,7 +252,7 @@ class _Branch:
     """One sample of a request."""
 
     __slots__ = ("index", "seed", "state", "outputs", "logits", "seq", "context", "pending", "finish",
-                 "detok", "stops")
+                 "detok", "stops", "recompute_from")
 
     def __init__(self, index: int, seed: int) -> None:
         self.index, self.seed, self.state, self.pending = index, seed, WAIT, 0   # pending: next token to feed
@@ -256,6 +263,7 @@ class _Branch:
         self.finish = ""
         self.detok: Detokenizer | None = None
         self.stops: StopMatcher | None = None
+        self.recompute_from = -1          # >= 0: a load of its cached prefix failed; computed from here
 
 
 class _Job:

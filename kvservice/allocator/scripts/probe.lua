@@ -2,7 +2,7 @@
 --- give (free + evictable, less what runs were admitted), for placing a create and for
 --- admitting a large one (scripts/stage.lua). The caller sends a long chain in slices.
 ---
---- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..28]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch, block_hashes = [hash hex of each block a hit may cover]}
 --- Returns msgpack {epoch, hits (leading blocks cached), referenced (how many of those are
 ---   held by block tables: a create shares them without taking a block), available,

@@ -1,7 +1,7 @@
 --- step: one engine step in one pool: commits, frees, forks, growth (with copy-on-write)
 --- and creates, all-or-nothing: the whole call is planned and checked, then written.
 ---
---- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
+--- KEYS[1..28]: the pool's keys (kvservice/allocator/keys.py); KEYS[29]: the request key.
 --- ARGV[1]: msgpack map
 ---   pool, generation (the pool's as the caller heard it, lib/generation; 0: none), request_id
 ---   ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
@@ -19,10 +19,13 @@
 ---     sequence; lib/runs), graft (0, or a grow run's staged record whose blocks are the
 ---     growth's new blocks, scripts/stage.lua: appended, not allocated), graft_cow (its
 ---     first block is the copy-on-write destination, released if no copy is needed)}],
----   creates = [{epoch, num_tokens, root_hash (hex), block_hashes = [hex per full block]}]
+---   creates = [{epoch, num_tokens, root_hash (hex), block_hashes = [hex per full block],
+---     tier_loads (the caller runs the answer's loads: the lookup goes on into the lower tiers)}]
 --- Returns msgpack {epoch, generation, updates = [{num_tokens, num_committed_blocks, last_hash,
 ---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
----   children = [record]}], created = [record], copies = [[src, dst]]}, where record =
+---   children = [record]}], created = [record], copies = [[src, dst]], tier_orders =
+---   [[src_tier, src, dst_tier, dst, hash hex]] (lib/tiers: the evictions' copies down a
+---   tier, then the creates' loads from one, in the order the worker runs them)}, where record =
 ---   {sequence, num_tokens, num_committed_blocks, num_cached_tokens, last_hash,
 ---   block_table, cow = [src, dst] (a child's)}; or an error (lib/codec): NOT_FOUND,
 ---   INVALID_ARGUMENT, FAILED_PRECONDITION (reasons EPOCH_CHANGED, LEASE_EXPIRED,
@@ -38,6 +41,7 @@
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
+TIER.orders = {}
 local ok0, gen = guarded(function() return checked_generation(p) end)
 if not ok0 then return gen end
 local prev = replay(K_REQUEST, p)
@@ -357,6 +361,7 @@ local function grow_sequences(recs, bs)
 end
 
 -- Phase 5: creates (longest cached prefix, never covering the last prompt token).
+local loads = {}         -- {tier code, entry, device block (a placeholder), hash}
 local function create_sequences(bs, known, stats)
   local made = {}
   for _, c in ipairs(creates) do
@@ -365,26 +370,46 @@ local function create_sequences(bs, known, stats)
     local rec = {l = lease, t = c.num_tokens, c = #hs, h = c.root_hash, k = 0, st = '', pages = {}, nb = 0, add = {},
                  new = true}
     if #hs > 0 then rec.h = hs[#hs] end
-    local hits = {}
+    -- The chain through the tiers: each block cached on the device is shared, one in a
+    -- lower tier (ready) is loaded into a new block (lib/tiers); the first miss ends it.
+    local dev, lower, n = {}, {}, 0
     for i = 1, math.min(max_hit, #hs) do
       local b = pending[hs[i]] or known[hs[i]]
-      if not b then break end
-      hits[i] = b
+      if not b then
+        local t, e = nil, nil
+        if c.tier_loads then t, e = TIER.hit(hs[i]) end
+        if not t then break end
+        lower[i] = {t, e}
+      end
+      dev[i] = b
+      n = i
+    end
+    local hits = {}
+    for i = 1, n do
+      if dev[i] then hits[#hits + 1] = dev[i] end
     end
     load_refs(hits)
     local add = rec.add
-    for i, b in ipairs(hits) do
-      refs[b] = refs[b] + 1
-      add[i] = b
-    end
     local total = math.ceil(c.num_tokens / bs)
     need_blocks(total - #hits)
-    for i = #hits + 1, total do
-      local b = placeholder()
+    for i = 1, total do
+      local b = dev[i]
+      if b then
+        refs[b] = refs[b] + 1
+      else
+        b = placeholder()
+        if hs[i] then plan_hash(hs[i], b, known) end
+        local l = lower[i]
+        if l then
+          loads[#loads + 1] = {TIER.code[l[1]], tonumber(l[2]), b, hs[i]}
+          local f = 'tier_' .. l[1] .. '_'
+          stats[f .. 'hit_tokens'] = (stats[f .. 'hit_tokens'] or 0) + bs
+          stats[f .. 'loads'] = (stats[f .. 'loads'] or 0) + 1
+        end
+      end
       add[i] = b
-      if hs[i] then plan_hash(hs[i], b, known) end
     end
-    rec.k = #hits * bs
+    rec.k = n * bs
     stats.prefix_queried_tokens = stats.prefix_queried_tokens + c.num_tokens
     stats.prefix_hit_tokens = stats.prefix_hit_tokens + rec.k
     made[#made + 1] = rec
@@ -513,9 +538,14 @@ held_write(plan.held, plan.db, plan.ds)
 if plan.attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
 local out_copies = {}
 for _, cp in ipairs(copies) do out_copies[#out_copies + 1] = resolved(cp) end
+local out_orders = TIER.orders
+for _, l in ipairs(loads) do
+  out_orders[#out_orders + 1] = {l[1], l[2], 0, map[l[3]], l[4]}
+  TIER.touch(TIER.name[l[1]], string.format('%d', l[2]))
+end
 stats.sequences_created = nkids + nmade
 stats.sequences_freed = nfreed
 changed()
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, generation = gen, updates = out_updates,
-                                    created = out_made, copies = out_copies}))
+                                    created = out_made, copies = out_copies, tier_orders = out_orders}))

@@ -25,7 +25,7 @@
 --- the freed sequence in state "f"); it counts as applied with its last part, and the
 --- reply's ``applied`` says when (a resend continues where the parts stopped).
 ---
---- KEYS[1..16]: the pool's keys (kvservice/allocator/keys.py); KEYS[17]: the request key.
+--- KEYS[1..28]: the pool's keys (kvservice/allocator/keys.py); KEYS[29]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, generation (the pool's as the client heard it,
 ---   lib/generation; 0: none), request_id ('': none), fingerprint, request_ttl_ms,
 ---   lease_id, tenant (the lease's), quota = {blocks, sequences} (the tenant's quotas in the
@@ -49,7 +49,8 @@
 ---   the reserve], num_reserved (the lease's reserve after the call), cap (the cap now:
 ---   the lease returns any surplus), first_sequence_number, num_sequence_numbers, quota (''
 ---   or the quota, 'blocks' or 'sequences', that kept the grant below what the step needs
----   now), quota_limit};
+---   now), quota_limit, tier_orders (lib/tiers: the copies down a tier of the blocks the
+---   refill evicted, to run before those blocks are written)};
 ---   or an error (lib/codec): NOT_FOUND, INVALID_ARGUMENT (an entry or a returned block
 ---   that does not fit the state: nothing applied), FAILED_PRECONDITION (reasons
 ---   EPOCH_CHANGED, LEASE_EXPIRED, RESYNC_IN_PROGRESS, ROLLED_BACK {generation}: nothing
@@ -59,6 +60,7 @@
 
 local K_REQUEST = KEYS[NUM_POOL_KEYS + 1]
 local p = args()
+TIER.orders = {}
 touch_lease(p)
 local ok0, gen = guarded(function() return checked_generation(p) end)
 if not ok0 then return gen end
@@ -578,4 +580,5 @@ incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, generation = gen, applied = plan.applied, granted = granted,
                                     num_reserved = plan.kept + #granted, cap = cap,
                                     first_sequence_number = first_seq, num_sequence_numbers = num_seqs,
-                                    quota = quota_cut, quota_limit = quota_limit}))
+                                    quota = quota_cut, quota_limit = quota_limit,
+                                    tier_orders = TIER.orders}))

@@ -1,6 +1,7 @@
 --- @include "lib/pool"
 --- @include "lib/chunked"
 --- @include "lib/records"
+--- @include "lib/tiers"
 --- The reference-count overlay: a script plans its whole call in these tables, checks it,
 --- and only then writes it with apply().
 ---
@@ -126,6 +127,7 @@ local function write_hashes(h2b, b2h)
 end
 
 -- Evicts n blocks (least recently used first) for the plan's placeholders; returns them.
+-- A victim whose hash leaves the device tier is copied down first (TIER.offload).
 -- A victim's hash is dropped, unless dups[hash] names a block of this call that holds
 -- the same content and stays referenced: then that block takes the hash (a hash never
 -- disappears while its content is cached), and (hash, block) joins moved.
@@ -139,11 +141,16 @@ local function evict(n, dups, moved, stats)
   end
   local hashes = hmget_chunked(K_B2H, fields)
   local gone = {}
-  for _, h in ipairs(hashes) do
+  for i, h in ipairs(hashes) do
     if h then
       local keep = dups and dups[h]
       local r = keep and refs[keep]
-      if keep and (r == nil or r > 0) then moved[#moved + 1] = {h, keep} else gone[#gone + 1] = h end
+      if keep and (r == nil or r > 0) then
+        moved[#moved + 1] = {h, keep}
+      else
+        gone[#gone + 1] = h
+        TIER.offload(victims[i], h, stats)     -- (its content goes down a tier: lib/tiers)
+      end
     end
   end
   if #gone > 0 then call_chunked('HDEL', K_H2B, gone) end

@@ -1,0 +1,129 @@
+"""The engine's side of the lower tiers (DESIGN §12): the allocator's orders go to each
+pool's worker (``MoveBlocks``) before the step's forward, the worker's word goes back to
+the allocator (``SettleTiers``), and a load that failed is recomputed. A mixin of
+``Engine``.
+
+Order of events in a step: the step's allocator call answers with orders (copies down of
+the blocks it evicted, loads of the prefix hits in a lower tier), a background Sync may
+have added more (copies down of blocks its refill evicted); ``_move_blocks`` sends them,
+pool by pool and in order, before any forward writes a block. A copy down that succeeded
+makes its entry usable once settled; a load that failed (its checksum or its hash did not
+match) leaves the block unwritten: the sequences that counted it as cached compute it
+again in this step's forward (``recompute_from``), the others that read it wait for that
+(``_unwritten``), and its entry is dropped. Wrong KV is never served."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from kvservice import errors
+from kvservice.engine.requests import PREFILL
+from kvservice.rpc import to_domain_error
+from kvservice.v1 import allocator_pb2 as pb
+from kvservice.v1 import worker_pb2 as wpb
+
+log = logging.getLogger("kvservice.engine")
+
+
+class TierPath:
+    """Lower-tier orders (``Engine``'s)."""
+
+    def _move_blocks(self) -> None:
+        """Runs the orders answered since the last step on their workers (all pools at once),
+        then settles them with the allocator in the background."""
+        orders = self.client.take_tier_orders()
+        if not orders:
+            return
+        groups: dict[tuple[str, int], list[pb.TierOrder]] = {}
+        for o in orders:
+            groups.setdefault((o.pool_id, o.epoch), []).append(o)
+        calls = {key: self._executor.submit(self._move_call, key, group) for key, group in groups.items()}
+        r = self.report
+        for (pool, epoch), group in groups.items():
+            try:
+                response = calls[(pool, epoch)].result()
+            except (errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition) as exc:
+                # (a worker gone or restarted: its entries were never confirmed, and its
+                # sequences fail this step's forward and are recomputed)
+                log.warning("pool %s: %d lower-tier orders not run (%s: %s)", pool, len(group),
+                            type(exc).__name__, exc)
+                continue
+            settled, failed = [], set()
+            for o, res in zip(group, response.results):
+                if o.dst_tier:
+                    r.offloaded_blocks += res.ok
+                    settled.append(pb.TierSettlement(tier=o.dst_tier, entry=o.dst, block_hash=o.block_hash,
+                                                     ok=res.ok))
+                elif res.ok:
+                    r.loaded_blocks += 1
+                else:
+                    r.load_failures += 1
+                    failed.add(o.dst)
+                    settled.append(pb.TierSettlement(tier=o.src_tier, entry=o.src, block_hash=o.block_hash,
+                                                     ok=False))
+                    log.warning("pool %s: load of %s entry %d into block %d failed (%s): recomputed", pool,
+                                "host" if o.src_tier == 1 else "disk", o.src, o.dst, res.error)
+            if failed:
+                self._tainted.setdefault((pool, epoch), set()).update(failed)
+                self._recompute_blocks(pool, failed, epoch)
+            if settled:
+                self._executor.submit(self._settle, pool, epoch, settled)
+
+    def _move_call(self, key: tuple[str, int], group: list[pb.TierOrder]) -> wpb.MoveBlocksResponse:
+        pool, epoch = key
+        stub = self._stubs.get(pool)
+        if stub is None:
+            raise errors.Unavailable(f"no connection to the worker of pool {pool}")
+        request = wpb.MoveBlocksRequest(
+            epoch=epoch, lease_id=self.client.lease_id, generation=self.client.generation(pool),
+            moves=[wpb.BlockMove(src_tier=o.src_tier, src=o.src, dst_tier=o.dst_tier, dst=o.dst,
+                                 block_hash=o.block_hash) for o in group])
+        try:
+            return stub.MoveBlocks(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise to_domain_error(exc) from None
+
+    def _settle(self, pool: str, epoch: int, settled: list[pb.TierSettlement]) -> None:
+        """Passes the worker's word on to the allocator (a failure only delays an entry's
+        use: unconfirmed, it is taken back after a minute)."""
+        try:
+            self.client.settle_tiers(pool, epoch, settled)
+        except errors.KvsError as exc:
+            log.warning("pool %s: %d lower-tier entries not settled (%s: %s)", pool, len(settled),
+                        type(exc).__name__, exc)
+
+    def _recompute_tainted(self) -> None:
+        """Each step: the tainted blocks of each pool's current epoch are recomputed by
+        the sequences that count them as cached (an older epoch's are forgotten: its pool
+        started anew)."""
+        newest: dict[str, int] = {}
+        for s in self._live.values():
+            newest[s.pool] = max(newest.get(s.pool, 0), s.epoch)
+        for (pool, epoch) in list(self._tainted):
+            blocks = self._tainted[(pool, epoch)]
+            if not blocks or newest.get(pool, epoch) > epoch:
+                del self._tainted[(pool, epoch)]
+            else:
+                self._recompute_blocks(pool, blocks, epoch)
+
+    def _recompute_blocks(self, pool: str, blocks: set[int], epoch: int = 0) -> None:
+        """Blocks whose content is not what their hash says (a failed load; a prompt a
+        failed step never wrote: ``_tainted``): each sequence (of ``epoch``, 0: any) whose
+        cached prefix holds one computes its prompt again from that block on; the other
+        readers wait until it is written."""
+        self._unwritten.setdefault(pool, set()).update(blocks)
+        for job in self._running:
+            for b in job.branches:
+                s = b.seq
+                if s is None or s.pool != pool or b.state != PREFILL or (epoch and s.epoch != epoch):
+                    continue
+                bs = s.block_size
+                start = min(b.recompute_from, s.num_cached_tokens) if b.recompute_from >= 0 else s.num_cached_tokens
+                bad = [i for i, blk in enumerate(s.block_table[:start // bs]) if blk in blocks]
+                if bad:
+                    b.recompute_from = bad[0] * bs
+                    self.report.prefix_hit_tokens -= start - b.recompute_from
+                    if b.index == 0 and job.cached > b.recompute_from:
+                        job.cached = b.recompute_from
