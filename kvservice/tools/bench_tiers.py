@@ -4,7 +4,7 @@ host and a disk tier (DESIGN §12), one local stack each, in one run.
 
 The workload (the same in every configuration, drawn from ``--seed``): ``--conversations``
 chats of ``--turns`` turns each, every chat opening with one of ``--systems`` shared system
-prompts (about 150 to 300 tokens), user turns of ShareGPT-like lengths (a log-normal of
+prompts (``--system-tokens``, default 150 to 300 tokens), user turns of ShareGPT-like lengths (a log-normal of
 median ~60 tokens, 15 to 300) and answers of ShareGPT-like lengths too (a log-normal of
 median ~0.6 ``--max-tokens``, at most ``--max-tokens``; greedy, ``ignore_eos``); each
 turn's prompt is the chat so far. The turns go in rounds, as users take turns: every
@@ -62,7 +62,8 @@ def workload(tokenizer: Any, args: argparse.Namespace) -> list[tuple[list[int], 
     """Per chat: its first prompt (a system prompt and a user turn), and the tokens each
     later turn adds before the answer so far (a user turn)."""
     rng = random.Random(args.seed)
-    systems = [tokenizer.encode(f"system: {_text(rng, rng.randint(150, 300))}\n") for _ in range(args.systems)]
+    low, high = args.system_tokens
+    systems = [tokenizer.encode(f"system: {_text(rng, rng.randint(low, high))}\n") for _ in range(args.systems)]
     chats = []
     for i in range(args.conversations):
         def user() -> list[int]:
@@ -152,6 +153,17 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    try:
+        a, b = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two integers), got {text!r}") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
@@ -161,6 +173,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=16, help="chats (default 16)")
     p.add_argument("--turns", type=int, default=4, help="turns per chat (default 4)")
     p.add_argument("--systems", type=int, default=4, help="shared system prompts (default 4)")
+    p.add_argument("--system-tokens", type=_range, default=(150, 300), metavar="MIN,MAX",
+                   help="each system prompt's length in tokens, drawn in MIN..MAX (default 150,300)")
     p.add_argument("--max-tokens", type=int, default=320,
                    help="the longest answer, in tokens (default 320; answers are log-normal, median ~0.6 of it)")
     p.add_argument("--concurrency", type=int, default=6, help="chats in flight at once (default 6)")
