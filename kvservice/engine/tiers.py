@@ -65,9 +65,8 @@ class TierPath:
                                                      ok=False))
                     log.warning("pool %s: load of %s entry %d into block %d failed (%s): recomputed", pool,
                                 "host" if o.src_tier == 1 else "disk", o.src, o.dst, res.error)
-            if failed:
+            if failed:       # (recomputed by their readers: _recompute_tainted, right after)
                 self._tainted.setdefault((pool, epoch), set()).update(failed)
-                self._recompute_blocks(pool, failed, epoch)
             if settled:
                 self._executor.submit(self._settle, pool, epoch, settled)
 
