@@ -29,12 +29,16 @@ def test_bench_tiers_prints_one_run_per_configuration(smollm2_cache):
     fig = json.loads(out.stdout)
     off, host = fig["runs"]
     keys = {"tiers", "prompt_tokens", "recomputed_prompt_tokens", "ttft_p50_ms", "ttft_p99_ms", "loaded_blocks",
-            "load_failures", "offloaded_blocks", "filled_blocks", "working_set_blocks", "device_blocks"}
+            "load_failures", "offloaded_blocks", "filled_blocks", "working_set_blocks", "device_blocks",
+            "floor_prompt_tokens"}
     assert keys <= set(off) and (off["tiers"], host["tiers"]) == ("off", "host")
     assert off["prompt_tokens"] == host["prompt_tokens"] > 0           # (the same workload)
     assert off["loaded_blocks"] == off["offloaded_blocks"] == 0
     assert host["loaded_blocks"] > 0 and host["load_failures"] == 0 and host["offloaded_blocks"] > 0
     assert host["recomputed_prompt_tokens"] < off["recomputed_prompt_tokens"]
+    # (the floor: what one unbounded cache would compute; at least each chat's first message)
+    assert off["floor_prompt_tokens"] == host["floor_prompt_tokens"]
+    assert 8 * 15 < host["floor_prompt_tokens"] <= host["recomputed_prompt_tokens"]
     assert host["working_set_blocks"] > host["device_blocks"]
     assert 0 < off["ttft_p50_ms"] <= off["ttft_p99_ms"]
     assert "host+disk" not in report(fig) and "host " in report(fig)

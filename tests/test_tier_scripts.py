@@ -176,3 +176,24 @@ def test_a_client_that_runs_no_orders_gets_no_loads(tiered):
     a = c.create(PROMPT_A, pool="p")           # (A recomputed above is on the device again)
     assert a.num_cached_tokens == 12 and not [o for o in c.take_tier_orders() if o.dst_tier == 0]
     assert audit(url, "p") == []
+
+
+def test_placement_counts_a_prefix_ready_in_a_lower_tier_for_a_client_that_runs_loads(tiered):
+    """Pool p holds A's blocks in its host tier only, pool "a" none of them: counting the
+    device alone, the two cost the same and a pool-less create of A goes to "a" (the
+    smaller id); a client that runs loads gets p, where 3 blocks are loaded instead of
+    computed (docs/allocator.md, "Placement")."""
+    server, c, url = tiered
+    c.register_pool("a", num_blocks=4, block_size=BS)
+    _settle(c, _evict_a(c))                    # A's three blocks ready in p's host tier, none on its device
+    with Client(server.target, tenant="t1", lease_ttl=30.0) as plain:      # (collect_tier_orders off)
+        a = plain.create(PROMPT_A)
+        assert (a.pool, a.num_cached_tokens) == ("a", 0)
+        a.free()
+        plain.create(PROMPT_B, pool="a").free()        # (A's blocks in "a" evicted: "a" caches none of A)
+    a = c.create(PROMPT_A)
+    loads = [o for o in c.take_tier_orders() if o.dst_tier == 0]
+    assert (a.pool, a.num_cached_tokens, len(loads)) == ("p", 12, 3)
+    assert {o.pool_id for o in loads} == {"p"}
+    a.free()
+    assert audit(url) == []

@@ -39,15 +39,20 @@ PROBE_CHUNK = 2048
 
 
 class Probe(NamedTuple):
-    """A pool's answer to a prefix probe (``scripts/probe.lua``): leading blocks cached,
-    how many of them block tables reference, blocks available, sequences, and
-    milliseconds since its worker's last heartbeat (since it registered, if none yet)."""
+    """A pool's answer to a prefix probe (``scripts/probe.lua``): leading blocks cached
+    on the device, how many of them block tables reference, blocks available, sequences,
+    milliseconds since its worker's last heartbeat (since it registered, if none yet),
+    and (a probe through the tiers) the leading blocks cached on the device or ready in
+    a lower tier, of which ``host`` / ``disk`` would be loaded from one."""
 
     hits: int
     referenced: int
     available: int
     sequences: int
     silent_ms: int
+    chain: int = 0
+    host: int = 0
+    disk: int = 0
 
 
 class RunOps:
@@ -55,17 +60,25 @@ class RunOps:
 
     # ------------------------------------------------------------ probes
 
-    async def _probe_prefix(self, pool_id: str, epoch: int, hashes: list[str]) -> Probe:
-        """How much of a chain of hashes the pool caches from the start, in bounded calls."""
-        hits = referenced = 0
+    async def _probe_prefix(self, pool_id: str, epoch: int, hashes: list[str], *, tiers: bool = False) -> Probe:
+        """How much of a chain of hashes the pool caches from the start, in bounded calls;
+        with ``tiers``, through its lower tiers' ready entries too (``Probe.chain``)."""
+        hits = referenced = chain = host = disk = 0
+        device_run = True       # (the device's leading hits go on into this slice)
         for i in range(0, max(len(hashes), 1), PROBE_CHUNK):
             part = hashes[i:i + PROBE_CHUNK]
-            reply = await self.store.probe(pool_id, epoch, part)
-            hits += reply["hits"]
-            referenced += reply["referenced"]
-            if reply["hits"] < len(part):
+            reply = await self.store.probe(pool_id, epoch, part, tiers=tiers)
+            if device_run:
+                hits += reply["hits"]
+                referenced += reply["referenced"]
+                device_run = reply["hits"] == len(part)
+            chain += reply.get("chain", reply["hits"])
+            host += reply.get("host", 0)
+            disk += reply.get("disk", 0)
+            if reply.get("chain", reply["hits"]) < len(part) or (not tiers and not device_run):
                 break
-        return Probe(hits, referenced, reply["available"], reply["sequences"], reply.get("silent_ms", 0))
+        return Probe(hits, referenced, reply["available"], reply["sequences"], reply.get("silent_ms", 0),
+                     chain, host, disk)
 
     # ------------------------------------------------------------ runs
 

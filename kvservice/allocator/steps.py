@@ -23,6 +23,10 @@ from kvservice.common import hashing
 from kvservice.common.auth import caller
 from kvservice.common.geometry import Geometry
 
+#: Placement's credit for a prompt block ready in a lower tier, as a share of a block
+#: cached on the device (docs/allocator.md, "Placement"): a load is a copy of the block's
+#: bytes, far cheaper than the forward that recomputes it, dearer than sharing it.
+TIER_CREDIT = {"host": 0.9, "disk": 0.75}
 #: Pools read at once by one call (ListPools, the placement of a create without pool id).
 FAN_OUT = 64
 
@@ -275,27 +279,31 @@ class StepOps(RunOps):
 
     async def _place(self, c: Create, data: bytes, tenant: str) -> str:
         """The pool where ``c`` costs least (docs/allocator.md, "Placement"): the prompt
-        tokens it would compute there (those its cached prefix does not cover) plus a
-        block's worth of tokens per sequence the pool already serves (each one a token
-        of every step's work); then the most free + evictable blocks, the smallest id. A
-        pool whose worker has not heartbeated for ``placement_silence`` seconds comes
-        after every other (its worker has likely stopped: its sequences would fail)."""
+        tokens it would compute there (those its cached prefix does not cover; for a
+        client that runs loads, a block ready in a lower tier covers ``TIER_CREDIT`` of
+        its tokens) plus a block's worth of tokens per sequence the pool already serves
+        (each one a token of every step's work); then the most free + evictable blocks,
+        the smallest id. A pool whose worker has not heartbeated for
+        ``placement_silence`` seconds comes after every other (its worker has likely
+        stopped: its sequences would fail)."""
         root = hashing.root_hash(self._salt(tenant), c.extra_key)
         num_tokens = len(data) // 4
         silence_ms = self.settings.placement_silence * 1000
 
-        async def score(pool_id: str) -> tuple[bool, int, int, str] | None:
+        async def score(pool_id: str) -> tuple[bool, float, int, str] | None:
             try:
                 epoch, geo = await self.geometry(pool_id)
             except errors.NotFound:
                 return None
             max_hit = (num_tokens - 1) // geo.block_size
             hs = [h.hex() for h in hashing.chain_hashes(root, data, geo.block_size, max_hit)]
-            probe = await self._probe_prefix(pool_id, epoch, hs)
-            cost = num_tokens - probe.hits * geo.block_size + probe.sequences * geo.block_size
+            probe = await self._probe_prefix(pool_id, epoch, hs, tiers=c.tier_loads)
+            cached = (probe.chain - probe.host - probe.disk + TIER_CREDIT["host"] * probe.host
+                      + TIER_CREDIT["disk"] * probe.disk)
+            cost = num_tokens - cached * geo.block_size + probe.sequences * geo.block_size
             return probe.silent_ms > silence_ms, cost, -probe.available, pool_id
 
-        scored: list[tuple[bool, int, int, str]] = []
+        scored: list[tuple[bool, float, int, str]] = []
         for cached in (True, False):     # this replica's recent list; the registry if that has none
             pools = await self.store.pool_ids(cached=cached)
             for i in range(0, len(pools), FAN_OUT):

@@ -368,9 +368,9 @@ class Store:
                          "lru": [int(x) for x in lru], "pend": [int(x) for x in pend]}
         return out
 
-    async def probe(self, pool_id: str, epoch: int, hashes: list[str]) -> dict[str, Any]:
+    async def probe(self, pool_id: str, epoch: int, hashes: list[str], *, tiers: bool = False) -> dict[str, Any]:
         return await self._call("probe", keys.pool_keys(pool_id),
-                                {"pool": pool_id, "epoch": epoch, "block_hashes": hashes})
+                                {"pool": pool_id, "epoch": epoch, "block_hashes": hashes, "tiers": tiers})
 
     # ------------------------------------------------------------ lease scripts
 

@@ -19,12 +19,14 @@ Figures per configuration (``runs``, one object each): ``tiers`` ("off", "host",
 tokens the workers computed: not served by the device's prefix cache nor loaded from a
 lower tier), ``ttft_p50_ms`` and ``ttft_p99_ms`` (submit to first token, every turn),
 ``loaded_blocks``, ``load_failures``, ``offloaded_blocks`` (copied down a tier: blocks the
-device evicted), ``filled_blocks`` (blocks the run filled: what a write-through policy,
+device evicted), ``floor_prompt_tokens`` (what one unbounded prefix cache would have
+computed of the same turns: the new messages, each answer's unfilled last block, each
+system prompt's first use), ``filled_blocks`` (blocks the run filled: what a write-through policy,
 copying every block down as it fills, would have copied) and ``seconds``.
 
 Usage::
 
-    kvservice bench-tiers [--conversations 16] [--turns 4] [--num-blocks 128] [--json]
+    kvservice bench-tiers [--conversations 16] [--turns 5] [--num-blocks 128] [--json]
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
         prompts = [first for first, _ in chats]
         prompt_tokens = 0
         filled = [0]
+        log: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
         def turn_of(i: int, turn: int) -> None:
             nonlocal prompt_tokens
@@ -112,6 +115,7 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
             if done.error:
                 raise RuntimeError(f"chat {i} turn {turn}: {done.error}")
             with lock:
+                log[(turn, i)] = (prompt, done.outputs[0])
                 ttfts.append((first[0] - sent) * 1000)
                 prompt_tokens += len(prompt)
                 # (the blocks this turn filled: what a write-through policy would copy down)
@@ -145,12 +149,38 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
                "ttft_p99_ms": round(_percentile(ttfts, 0.99), 1),
                "loaded_blocks": r.loaded_blocks, "load_failures": r.load_failures,
                "offloaded_blocks": r.offloaded_blocks, "filled_blocks": filled[0], "seconds": round(seconds, 1),
-               "working_set_blocks": working, "device_blocks": args.num_blocks * args.workers}
+               "working_set_blocks": working, "device_blocks": args.num_blocks * args.workers,
+               "floor_prompt_tokens": floor_of(log)}
         if not stack.audit().ok:
             raise RuntimeError(f"the audit found problems after the {config} run")
     if disk is not None:
         disk.cleanup()
     return out
+
+
+def floor_of(log: dict[tuple[int, int], tuple[list[int], list[int]]], block_size: int = 16) -> int:
+    """The prompt tokens one unbounded prefix cache would compute for the run's turns, in
+    their order (by round, then chat): each prompt less its longest prefix of full blocks
+    that an earlier turn's prompt and answer held (and at least its last token)."""
+    def chain(tokens: list[int]) -> list[int]:
+        out, h = [], 0
+        for k in range(0, len(tokens) - block_size + 1, block_size):
+            h = hash((h, tuple(tokens[k:k + block_size])))
+            out.append(h)
+        return out
+
+    seen: set[int] = set()
+    total = 0
+    for key in sorted(log):
+        prompt, output = log[key]
+        cached = 0
+        for h in chain(prompt[:-1]):
+            if h not in seen:
+                break
+            cached += block_size
+        total += len(prompt) - cached
+        seen.update(chain(prompt + output[:-1]))     # (the answer's last token was never fed)
+    return total
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -171,7 +201,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=16, help="chats (default 16)")
-    p.add_argument("--turns", type=int, default=4, help="turns per chat (default 4)")
+    p.add_argument("--turns", type=int, default=5, help="turns per chat (default 5)")
     p.add_argument("--systems", type=int, default=4, help="shared system prompts (default 4)")
     p.add_argument("--system-tokens", type=_range, default=(150, 300), metavar="MIN,MAX",
                    help="each system prompt's length in tokens, drawn in MIN..MAX (default 150,300)")
@@ -193,10 +223,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def report(fig: dict[str, Any]) -> str:
     lines = [f"{fig['conversations']} chats x {fig['turns']} turns, working set {fig['runs'][0]['working_set_blocks']} "
              f"blocks, device pools {fig['runs'][0]['device_blocks']} blocks",
-             f"{'tiers':<10} {'prompt':>8} {'recomputed':>11} {'TTFT p50':>9} {'TTFT p99':>9} {'loaded':>7} "
-             f"{'failed':>7} {'s':>6}"]
+             f"{'tiers':<10} {'prompt':>8} {'recomputed':>11} {'floor':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+             f"{'loaded':>7} {'failed':>7} {'s':>6}"]
     for r in fig["runs"]:
         lines.append(f"{r['tiers']:<10} {r['prompt_tokens']:>8} {r['recomputed_prompt_tokens']:>11} "
+                     f"{r['floor_prompt_tokens']:>7} "
                      f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['loaded_blocks']:>7} "
                      f"{r['load_failures']:>7} {r['seconds']:>6.1f}")
     return "\n".join(lines)
