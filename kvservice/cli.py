@@ -1,4 +1,5 @@
-"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, bench-tiers, limits,
+"""``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, bench-tiers,
+bench-transfer, limits,
 shards, many-pools, demo, simulate."""
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
-    from kvservice.tools import bench_serving, bench_tiers, manypools
+    from kvservice.tools import bench_serving, bench_tiers, bench_transfer, manypools
 
     _tool(sub, "bench-serving", bench_serving, "drive the HTTP API of a local stack with concurrent streaming chats "
           "(the openai client), and vLLM's server beside it with --vllm-python; print tokens/s and time to first "
@@ -332,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     _tool(sub, "bench-tiers", bench_tiers, "a multi-turn chat workload over SmolLM2 workers with small device "
           "pools, with the lower tiers off, a host tier, and a host and a disk tier; print the prompt tokens "
           "recomputed and the time to first token")
+    _tool(sub, "bench-transfer", bench_transfer, "blocks moved from one SmolLM2 worker to another on loopback "
+          "(FetchBlocks over PullBlocks), beside raw gRPC streaming of the same bytes and a memory copy")
 
     from kvservice.tools.shards import DESCRIPTION as shards_description, add_arguments as shards_arguments
 

@@ -16,6 +16,7 @@ from worker import tensors
 from worker.config import WorkerSettings, parse_memory
 from worker.pool import PoolShape
 from worker.server import build_pool
+from worker.transfer import block_checksum
 
 from worker_helpers import WorkerThread, reference
 
@@ -146,6 +147,18 @@ def move(*moves: tuple[int, int, int, int], epoch: int = 1, block_hash: bytes = 
         pb.BlockMove(src_tier=a, src=b, dst_tier=c, dst=d, block_hash=block_hash) for a, b, c, d in moves] * n))
 
 
+def fetch(*fetches: tuple[int, int, int], epoch: int = 1, source: str = "w1", block_hash: bytes = b"", n: int = 1,
+          chunk: int = 0):
+    return ("FetchBlocks", pb.FetchBlocksRequest(epoch=epoch, source_pool_id=source, source_epoch=1, chunk_bytes=chunk,
+                                                 fetches=[pb.BlockFetch(src_tier=a, src=b, dst=c, block_hash=block_hash)
+                                                          for a, b, c in fetches] * n))
+
+
+def pull(*blocks: int, pool: str = "w0", epoch: int = 1, n: int = 1, chunk: int = 0):
+    return ("PullBlocks", pb.PullBlocksRequest(pool_id=pool, epoch=epoch, chunk_bytes=chunk,
+                                               blocks=[pb.BlockRef(index=b) for b in blocks] * n))
+
+
 def read(slots=(0,), layer: int = 0, epoch: int = 1):
     return ("ReadKV", pb.ReadKVRequest(epoch=epoch, layer=layer, slots=list(slots)))
 
@@ -209,6 +222,21 @@ BAD: list[tuple[str, Callable[[], tuple[str, Any]], grpc.StatusCode, str]] = [
      "moves[0].block_hash has 17 bytes, at most 16"),
     ("move-too-many", lambda: move((1, 0, 0, 1), n=65_537), IA, "at most 65536 moves per call, got 65537"),
     ("move-no-tier", lambda: move((1, 0, 0, 1)), FP, "this worker has no lower tier (start it with --host-tier-gb)"),
+    ("fetch-stale-epoch", lambda: fetch((0, 0, 1), epoch=4), FP, "request for epoch 4"),
+    ("fetch-no-source", lambda: fetch((0, 0, 1), source=""), IA, "source_pool_id is empty"),
+    ("fetch-own-pool", lambda: fetch((0, 0, 1), source="w0"), IA, "pool w0 is this worker's own"),
+    ("fetch-tier-3", lambda: fetch((0, 0, 1), (3, 0, 2)), IA, "fetches[1].src_tier: 0 (device), 1 (host), 2 (disk)"),
+    ("fetch-hash-too-long", lambda: fetch((1, 0, 1), block_hash=b"h" * 17), IA,
+     "fetches[0].block_hash has 17 bytes, at most 16"),
+    ("fetch-dst-out-of-range", lambda: fetch((0, 0, NUM_BLOCKS)), IA,
+     f"fetches[0].dst: block {NUM_BLOCKS} is out of range 0..{NUM_BLOCKS - 1}"),
+    ("fetch-chunk-too-small", lambda: fetch((0, 0, 1), chunk=1000), IA, "chunk_bytes: 65536 to 16777216"),
+    ("fetch-too-many", lambda: fetch((0, 0, 1), n=65_537), IA, "at most 65536 fetches per call, got 65537"),
+    ("fetch-no-allocator", lambda: fetch((0, 0, 1)), FP, "this worker fetches from no other worker"),
+    ("pull-another-pool", lambda: pull(0, pool="w1"), grpc.StatusCode.NOT_FOUND, "this worker serves pool w0, not 'w1'"),
+    ("pull-stale-epoch", lambda: pull(0, epoch=2), FP, "request for epoch 2"),
+    ("pull-chunk-too-big", lambda: pull(0, chunk=1 << 30), IA, "chunk_bytes: 65536 to 16777216"),
+    ("pull-too-many", lambda: pull(0, n=65_537), IA, "at most 65536 blocks per call, got 65537"),
 ]
 
 
@@ -220,10 +248,24 @@ def test_bad_request_gets_its_status_and_leaves_the_pool_unchanged(worker, stub,
     before = (worker.pool.k_caches.clone(), worker.pool.v_caches.clone())
     rpc, request = build()
     with pytest.raises(grpc.RpcError) as info:
-        getattr(stub, rpc)(request, timeout=10)
+        reply = getattr(stub, rpc)(request, timeout=10)
+        if rpc == "PullBlocks":
+            list(reply)                  # (a stream's status comes with its end)
     assert info.value.code() == code, info.value.details()
     assert message in info.value.details()
     assert torch.equal(worker.pool.k_caches, before[0]) and torch.equal(worker.pool.v_caches, before[1])
+
+
+def test_a_pull_streams_device_blocks_as_they_are_and_fails_only_a_block_out_of_range(worker, stub):
+    worker.pool.k_caches.copy_(torch.randn_like(worker.pool.k_caches))
+    worker.pool.v_caches.copy_(torch.randn_like(worker.pool.v_caches))
+    _, request = pull(3, NUM_BLOCKS, 5)
+    pieces = [p for c in stub.PullBlocks(request, timeout=10) for p in c.pieces]
+    assert [(p.position, p.last) for p in pieces] == [(0, True), (1, True), (2, True)]
+    assert "block 32 is out of range" in pieces[1].error and not pieces[1].data
+    for p, block in ((pieces[0], 3), (pieces[2], 5)):
+        kv = torch.stack([worker.pool.k_caches[:, block], worker.pool.v_caches[:, block]])
+        assert p.data == kv.contiguous().numpy().tobytes() and p.checksum == block_checksum(p.data)
 
 
 def test_every_worker_rpc_with_input_has_bad_requests():

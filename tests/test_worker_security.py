@@ -69,7 +69,16 @@ def _requests(epoch: int, lease: str) -> dict[str, object]:
                                      sequences=[pb.ForwardSequence(token_ids=[1], block_table=[0], slot_mapping=[0])]),
         "MoveBlocks": pb.MoveBlocksRequest(epoch=epoch, lease_id=lease, moves=[pb.BlockMove(
             src_tier=1, src=0, dst_tier=0, dst=0, block_hash=b"h" * 16)]),
+        "FetchBlocks": pb.FetchBlocksRequest(epoch=epoch, lease_id=lease, source_pool_id="worker-9", source_epoch=1,
+                                             fetches=[pb.BlockFetch(src=0, dst=0)]),
+        "PullBlocks": pb.PullBlocksRequest(pool_id="worker-0", epoch=epoch, blocks=[pb.BlockRef(index=0)]),
     }
+
+
+def _call(stub, method: str, request) -> object:
+    """One call; a stream (PullBlocks) read to its end."""
+    reply = getattr(stub, method)(request, timeout=10)
+    return list(reply) if method == "PullBlocks" else reply
 
 
 def test_every_worker_method_refuses_callers_without_an_identity_or_of_the_wrong_role(stack):
@@ -83,18 +92,27 @@ def test_every_worker_method_refuses_callers_without_an_identity_or_of_the_wrong
             assert sorted(requests) == sorted(methods)
             # The server certificate names no role: an authenticated peer, but no identity;
             # a bad token on a good certificate: the token decides. A worker's certificate:
-            # the worker role, which no Worker method is open to.
-            for who, token, code in (("server", "", grpc.StatusCode.UNAUTHENTICATED),
-                                     ("engine", "kvs_not-a-token", grpc.StatusCode.UNAUTHENTICATED),
-                                     ("worker-0", "", grpc.StatusCode.PERMISSION_DENIED)):
+            # the worker role, which only PullBlocks is open to; an engine or an admin
+            # never pulls.
+            for who, token, code, methods in (
+                    ("server", "", grpc.StatusCode.UNAUTHENTICATED, list(requests)),
+                    ("engine", "kvs_not-a-token", grpc.StatusCode.UNAUTHENTICATED, list(requests)),
+                    ("worker-0", "", grpc.StatusCode.PERMISSION_DENIED, [m for m in requests if m != "PullBlocks"]),
+                    ("engine", "", grpc.StatusCode.PERMISSION_DENIED, ["PullBlocks"]),
+                    ("admin", "", grpc.StatusCode.PERMISSION_DENIED, ["PullBlocks"])):
                 ch, stub = _worker(stack, who, token)
                 try:
-                    for method, request in requests.items():
+                    for method in methods:
                         with pytest.raises(grpc.RpcError) as info:
-                            getattr(stub, method)(request, timeout=10)
+                            _call(stub, method, requests[method])
                         assert info.value.code() == code, (who, method, info.value.details())
                 finally:
                     ch.close()
+            ch, stub = _worker(stack, "worker-0")
+            try:
+                assert len(_call(stub, "PullBlocks", requests["PullBlocks"])) == 1
+            finally:
+                ch.close()
             plaintext = grpc.insecure_channel(stack.workers[0].target)
             try:
                 with pytest.raises(grpc.RpcError) as info:

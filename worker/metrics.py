@@ -80,6 +80,7 @@ class WorkerMetrics:
         self.runner = runner
         self.fence = fence          # (worker.fence.LeaseFence: its refused writes)
         self.tiers = None           # (worker.tiers.Tiers: blocks moved between tiers)
+        self.sources = None         # (worker.transfer.Sources: blocks moved between workers)
         self.registry = CollectorRegistry()
         self.rpc_seconds = histogram("rpc_duration_seconds", self.registry, RPC_BUCKETS)
         self.kernel_seconds = histogram("worker_kernel_duration_seconds", self.registry, KERNEL_BUCKETS)
@@ -114,6 +115,18 @@ class WorkerMetrics:
                 for (src, dst), n in sorted(counts.items()):
                     f.add_metric([self.pool_id, TIER_NAMES[src], TIER_NAMES[dst]], float(n))
                 yield f
+        sources = self.sources
+        if sources is not None:
+            for short, inbound, outbound in (("worker_transfer_blocks_total", sources.fetched, sources.served_blocks),
+                                             ("worker_transfer_bytes_total", sources.fetched_bytes,
+                                              sources.served_bytes)):
+                f = family(short)
+                f.add_metric([self.pool_id, "in"], float(inbound))
+                f.add_metric([self.pool_id, "out"], float(outbound))
+                yield f
+            f = family("worker_transfer_failed_blocks_total")
+            f.add_metric(labels, float(sources.failed))
+            yield f
         f = family("worker_refused_writes_total")
         for reason, n in sorted((self.fence.refused if self.fence is not None else {}).items()):
             f.add_metric([self.pool_id, reason], float(n))

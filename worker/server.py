@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from kernels.backend import check_cuda_geometry, cuda_available
+from kvservice import errors
 from kvservice.common import grpc as common_grpc
 from kvservice.common.grpc import RETRYABLE, build_server, write_port_file
 from kvservice.common.auth import AuthInterceptor, TokenFile
@@ -34,6 +35,7 @@ from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
 from worker.tiers import DiskTier, HostTier, Tiers, entries_for_budget
+from worker.transfer import GrpcTransport, Sources, serialize_chunk
 
 if TYPE_CHECKING:
     from worker.model import ModelRunner
@@ -114,9 +116,12 @@ def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
     return pool
 
 
-#: Who may call the Worker service: engines (tenants) and admins; a worker calls no worker.
-ROLES = {f"/{SERVICE_NAME}/{method}": frozenset(("tenant", "admin"))
-         for method in ("Describe", "WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward", "MoveBlocks")}
+#: Who may call the Worker service: engines (tenants) and admins; other workers pull
+#: blocks (PullBlocks), and only they.
+ROLES = {**{f"/{SERVICE_NAME}/{method}": frozenset(("tenant", "admin"))
+            for method in ("Describe", "WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward", "MoveBlocks",
+                           "FetchBlocks")},
+         f"/{SERVICE_NAME}/PullBlocks": frozenset(("worker",))}
 
 
 def build_tiers(settings: WorkerSettings, pool: KVPool) -> Tiers | None:
@@ -140,13 +145,15 @@ def build_tiers(settings: WorkerSettings, pool: KVPool) -> Tiers | None:
 async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str = "",
                         runner: ModelRunner | None = None, metrics: WorkerMetrics | None = None,
                         tokens: TokenFile | None = None, tls: ServerTls | None = None,
-                        fence: LeaseFence | None = None, tiers: Tiers | None = None
+                        fence: LeaseFence | None = None, tiers: Tiers | None = None,
+                        sources: Sources | None = None
                         ) -> tuple[grpc.aio.Server, int, common_grpc.HealthServicer]:
     """A not-yet-started server with the Worker, health and reflection services
     (``runner``: the model ``Forward`` serves; None: K/V only; ``metrics``: RPCs are timed).
     With ``tokens``, or ``tls`` with a client CA, every Worker call is authenticated and
     checked against ``ROLES``, and every write must name its lease; ``fence``: the dead
-    leases whose writes are refused (the registrar's heartbeats fill it).
+    leases whose writes are refused (the registrar's heartbeats fill it); ``sources``:
+    where other pools' workers are (``FetchBlocks``; None: fetches refused).
 
     Returns the server, the bound port and the health servicer (NOT_SERVING until the
     caller marks the pool registered).
@@ -161,10 +168,33 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
     if fence is None:
         fence = LeaseFence()
     fence.require_lease = fence.require_lease or authenticated
-    servicer = WorkerServicer(pool, pool_id, allocator, runner, fence, tiers)
-    return await build_server(address, [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)], [SERVICE_NAME],
+    servicer = WorkerServicer(pool, pool_id, allocator, runner, fence, tiers, sources)
+    return await build_server(address, [(add_worker_servicer, servicer)], [SERVICE_NAME],
                               interceptors=interceptors, max_message=MAX_MESSAGE, serving=False,
                               credentials=tls.credentials() if tls else None)
+
+
+def add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
+    """The generated ``add_WorkerServicer_to_server``, but for PullBlocks, whose messages
+    the servicer serializes itself (``worker.transfer.serve``: a block's bytes are copied
+    once into its message, not into a BlockChunk and again into its serialization)."""
+
+    class Capture:
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, generic: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            Capture.handlers = dict(handlers)
+
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, Capture())
+    handlers = Capture.handlers
+    handlers["PullBlocks"] = grpc.unary_stream_rpc_method_handler(
+        servicer.PullBlocks, request_deserializer=worker_pb2.PullBlocksRequest.FromString,
+        response_serializer=serialize_chunk)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 async def set_serving(health_servicer: common_grpc.HealthServicer, serving: bool) -> None:
@@ -226,6 +256,21 @@ class Registrar:
         log.info("pool %s registered at epoch %d (%d blocks of %d tokens)", self.pool_id, reply.epoch,
                  s.num_blocks, s.block_size)
         return reply.epoch
+
+    async def describe(self, pool_id: str) -> tuple[str, int]:
+        """Another pool's worker address and epoch, from the allocator's registry.
+
+        Raises:
+            NotFound: no such pool; Unavailable: the allocator cannot be reached.
+        """
+        try:
+            p = await self.stub.DescribePool(allocator_pb2.DescribePoolRequest(pool_id=pool_id), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise errors.NotFound(f"no pool {pool_id} is registered") from None
+            raise errors.Unavailable(f"the allocator could not say where pool {pool_id} is: "
+                                     f"{exc.code().name}: {exc.details()}") from None
+        return p.worker_address, p.epoch
 
     async def heartbeat(self) -> None:
         """One heartbeat; re-registers if the allocator forgot the pool; raises
@@ -305,9 +350,12 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         metrics = WorkerMetrics(settings.pool_id, pool, runner, fence)
         metrics.tiers = tiers
         metrics.attach()
+    sources = Sources(GrpcTransport(credentials)) if settings.allocator else None
+    if metrics is not None:
+        metrics.sources = sources
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
                                                         settings.allocator, runner, metrics, tokens, tls, fence,
-                                                        tiers)
+                                                        tiers, sources)
     await server.start()
     if metrics is not None:
         http = MetricsServer(metrics.registry, settings.host, settings.metrics_port)
@@ -324,6 +372,8 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
             advertise = settings.advertise or f"{settings.host}:{port}"
             registrar = Registrar(pool, settings.pool_id, settings.allocator, advertise, settings.register_timeout,
                                   credentials, fence, tiers)
+            if sources is not None:
+                sources.describe = registrar.describe
             registering = asyncio.ensure_future(registrar.register())
             stopping = asyncio.ensure_future(stop.wait())
             await asyncio.wait([registering, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -357,4 +407,6 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
             await registrar.close()
         if tiers is not None:
             tiers.close()
+        if sources is not None:
+            await sources.transport.close()
     return code

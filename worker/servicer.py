@@ -11,6 +11,7 @@ from worker import tensors
 from worker.fence import LeaseFence
 from worker.pool import KVPool
 from worker.tiers import Tiers
+from worker import transfer
 
 if TYPE_CHECKING:
     from worker.model import ModelRunner
@@ -26,12 +27,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         runner: the model served by ``Forward`` (None: K/V only).
         fence: the dead leases whose writes are refused (``worker/fence.py``).
         tiers: the pool's lower tiers (``MoveBlocks``; None: none).
+        sources: where other pools' workers are (``FetchBlocks``; None: fetches refused).
     """
 
     def __init__(self, pool: KVPool, pool_id: str, allocator: str = "", runner: ModelRunner | None = None,
-                 fence: LeaseFence | None = None, tiers: Tiers | None = None) -> None:
+                 fence: LeaseFence | None = None, tiers: Tiers | None = None,
+                 sources: transfer.Sources | None = None) -> None:
         self.pool = pool
         self.tiers = tiers
+        self.sources = sources
         self.pool_id = pool_id
         self.allocator = allocator
         self.runner = runner
@@ -115,6 +119,61 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.MoveBlocksResponse(results=[pb.MoveResult(ok=not e, error=e) for e in done],
                                      bytes_moved=moved * self.pool.shape.bytes_per_block)
 
+    async def FetchBlocks(self, request: pb.FetchBlocksRequest, context: Any) -> pb.FetchBlocksResponse:
+        self._check_epoch(request.epoch)
+        self.fence.check(request.lease_id, "FetchBlocks")
+        await self.fence.check_generation(request.generation, "FetchBlocks")
+        n = len(request.fetches)
+        if n > transfer.MAX_BLOCKS:
+            raise errors.InvalidArgument(f"at most {transfer.MAX_BLOCKS} fetches per call, got {n}")
+        if not request.source_pool_id:
+            raise errors.InvalidArgument("source_pool_id is empty")
+        if request.source_pool_id == self.pool_id:
+            raise errors.InvalidArgument(f"pool {self.pool_id} is this worker's own: a block of it is copied "
+                                         f"(CopyBlocks) or loaded (MoveBlocks), not fetched")
+        chunk = _chunk_bytes(request.chunk_bytes)
+        for i, f in enumerate(request.fetches):
+            if not 0 <= f.src_tier <= 2:
+                raise errors.InvalidArgument(f"fetches[{i}].src_tier: 0 (device), 1 (host), 2 (disk); got "
+                                             f"{f.src_tier}")
+            if len(f.block_hash) > 16:
+                raise errors.InvalidArgument(f"fetches[{i}].block_hash has {len(f.block_hash)} bytes, at most 16")
+            if not 0 <= f.dst < self.pool.shape.num_blocks:
+                raise errors.InvalidArgument(f"fetches[{i}].dst: block {f.dst} is out of range "
+                                             f"0..{self.pool.shape.num_blocks - 1}")
+        if self.sources is None:
+            raise errors.FailedPrecondition("this worker fetches from no other worker (it has no allocator)")
+        address = await self.sources.locate(request.source_pool_id, request.source_epoch)
+        pull = pb.PullBlocksRequest(pool_id=request.source_pool_id, epoch=request.source_epoch, chunk_bytes=chunk,
+                                    blocks=[pb.BlockRef(tier=f.src_tier, index=f.src, block_hash=f.block_hash)
+                                            for f in request.fetches])
+        done = await transfer.fetch(self.sources.transport, address, pull, self.pool,
+                                    [f.dst for f in request.fetches])
+        moved = sum(1 for e in done if not e)
+        self.sources.count(moved, n - moved, moved * self.pool.shape.bytes_per_block)
+        return pb.FetchBlocksResponse(results=[pb.MoveResult(ok=not e, error=e) for e in done],
+                                      bytes_moved=moved * self.pool.shape.bytes_per_block)
+
+    async def PullBlocks(self, request: pb.PullBlocksRequest, context: Any):
+        if request.pool_id != self.pool_id:
+            raise errors.NotFound(f"this worker serves pool {self.pool_id}, not {request.pool_id!r}")
+        self._check_epoch(request.epoch)
+        if len(request.blocks) > transfer.MAX_BLOCKS:
+            raise errors.InvalidArgument(f"at most {transfer.MAX_BLOCKS} blocks per call, got {len(request.blocks)}")
+        chunk = _chunk_bytes(request.chunk_bytes)
+        blocks = [(b.tier, b.index, b.block_hash) for b in request.blocks]
+        sent = 0
+        async for message in transfer.serve(blocks, self._read, chunk):     # (serialized: serialize_chunk)
+            yield message
+            sent += len(message)
+        if self.sources is not None:
+            self.sources.served(len(blocks), sent)
+
+    def _read(self, tier: int, index: int, tag: bytes):
+        if self.pool.epoch <= 0:
+            raise transfer.LoadFailed(f"pool {self.pool_id} is not registered")
+        return transfer.read_block(self.pool, self.tiers, tier, index, tag)
+
     async def Forward(self, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
         self._check_epoch(request.epoch)
         self.fence.check(request.lease_id, "Forward")
@@ -134,6 +193,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if request.return_logits:
             reply.logits.CopyFrom(tensors.encode(result.logits))
         return reply
+
+
+def _chunk_bytes(asked: int) -> int:
+    if not asked:
+        return transfer.DEFAULT_CHUNK_BYTES
+    if not transfer.MIN_CHUNK_BYTES <= asked <= transfer.MAX_CHUNK_BYTES:
+        raise errors.InvalidArgument(f"chunk_bytes: {transfer.MIN_CHUNK_BYTES} to {transfer.MAX_CHUNK_BYTES} "
+                                     f"(0: {transfer.DEFAULT_CHUNK_BYTES}), got {asked}")
+    return asked
 
 
 MAX_EXTRA_SAMPLES = 256

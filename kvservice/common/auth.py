@@ -31,7 +31,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 
@@ -253,22 +253,41 @@ class AuthInterceptor(UnaryInterceptor):
         raise errors.Unauthenticated("the call carries no credentials: send 'authorization: Bearer <token>' "
                                      "metadata" + (" or a client certificate" if self.certificates else ""))
 
-    def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    def check(self, context: grpc.aio.ServicerContext, method: str) -> Identity:
+        """The caller's identity once its role may call ``method``; raises Unauthenticated
+        or PermissionDenied."""
         roles = self.table.get(method, frozenset())
-        name = method.rsplit("/", 1)[-1]
+        ident = self.identify(context)
+        if ident.role not in roles:
+            allowed = ", ".join(r for r in ROLES if r in roles) or "none"
+            raise errors.PermissionDenied(f"{method.rsplit('/', 1)[-1]} is not open to the {ident.role} role "
+                                          f"(caller {ident.name}; allowed: {allowed})")
+        return ident
 
+    def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                ident = self.identify(context)
-                if ident.role not in roles:
-                    allowed = ", ".join(r for r in ROLES if r in roles) or "none"
-                    raise errors.PermissionDenied(f"{name} is not open to the {ident.role} role "
-                                                  f"(caller {ident.name}; allowed: {allowed})")
+                ident = self.check(context, method)
             except errors.KvsError as exc:
                 await abort(context, exc)
             reset = _caller.set(ident)
             try:
                 return await inner(request, context)
+            finally:
+                _caller.reset(reset)
+
+        return guarded
+
+    def wrap_stream(self, inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                ident = self.check(context, method)
+            except errors.KvsError as exc:
+                await abort(context, exc)
+            reset = _caller.set(ident)
+            try:
+                async for message in inner(request, context):
+                    yield message
             finally:
                 _caller.reset(reset)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 from google.protobuf import any_pb2
@@ -81,10 +81,15 @@ class RateLimitedLog:
 
 
 class UnaryInterceptor(grpc.aio.ServerInterceptor):
-    """Base of the server's interceptors: ``wrap(inner, method)`` wraps every unary handler."""
+    """Base of the server's interceptors: ``wrap(inner, method)`` wraps every unary handler,
+    ``wrap_stream(inner, method)`` every server-streaming one (unwrapped unless a subclass
+    says otherwise); other kinds of handler pass as they are."""
 
     def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         raise NotImplementedError
+
+    def wrap_stream(self, inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+        return inner
 
     def handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
@@ -94,7 +99,13 @@ class UnaryInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
+            return handler
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self.wrap_stream(handler.unary_stream, handler_call_details.method),
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary is None:
             return handler
         return self.handler(handler, handler_call_details.method)
 
@@ -137,6 +148,16 @@ class ErrorInterceptor(UnaryInterceptor):
             except REDIS_DOWN as exc:
                 log.warning("%s: Redis unreachable: %s", method, exc)
                 await abort(context, errors.Unavailable(f"the allocator's Redis is unreachable: {exc}"))
+
+        return guarded
+
+    def wrap_stream(self, inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for message in inner(request, context):
+                    yield message
+            except errors.KvsError as exc:
+                await abort(context, exc)
 
         return guarded
 

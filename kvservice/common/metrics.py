@@ -152,8 +152,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Bytes moved between the device and the lower tiers by MoveBlocks."),
     _m("worker_tier_failed_moves_total", "counter", ("pool", "src", "dst"), "worker",
        "MoveBlocks orders that failed (a load whose checksum or hash did not match, an unreadable entry)."),
+    _m("worker_transfer_blocks_total", "counter", ("pool", "direction"), "worker",
+       "Blocks moved between workers: fetched into this pool (direction in, FetchBlocks) or served from it to another "
+       "worker (out, PullBlocks)."),
+    _m("worker_transfer_bytes_total", "counter", ("pool", "direction"), "worker",
+       "Bytes of the blocks moved between workers, by direction (in, out)."),
+    _m("worker_transfer_failed_blocks_total", "counter", POOL, "worker",
+       "Blocks a FetchBlocks did not write: the source could not read them, their checksum did not match, or the "
+       "transfer failed (its source died, stalled or refused)."),
     _m("worker_refused_writes_total", "counter", ("pool", "reason"), "worker",
-       "Writes (WriteKV, CopyBlocks, Forward, MoveBlocks) refused: LEASE_EXPIRED (a dead lease's), ROLLED_BACK (of another "
+       "Writes (WriteKV, CopyBlocks, Forward, MoveBlocks, FetchBlocks) refused: LEASE_EXPIRED (a dead lease's), ROLLED_BACK (of another "
        "generation than the pool's: a writer that has not resynchronised since its Redis restarted or failed over)."),
     # --- the OpenAI-compatible HTTP API (kvservice api)
     _m("api_requests_total", "counter", ("endpoint", "status"), "api",

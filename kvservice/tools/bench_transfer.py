@@ -1,0 +1,245 @@
+"""``kvservice bench-transfer``: blocks moved from one worker to another on loopback
+(DESIGN §13), beside raw gRPC streaming of the same bytes and a memory copy, in one run.
+
+A local stack (Redis, an allocator, two SmolLM2 workers, mTLS everywhere) holds a
+sequence of ``--batch-mib`` worth of blocks in ``worker-0`` (written with random K/V) and
+one as long in ``worker-1``. Each round asks ``worker-1`` to fill its blocks with
+``worker-0``'s (``FetchBlocks``: it pulls them over ``PullBlocks``, checks every block's
+length and CRC-32 and writes them into its pool); ``gbps`` is the bytes moved over the
+rounds' wall time, as its caller sees it. Each round then streams as many bytes over a
+plain gRPC stream from another process, with the same credentials and message size, to
+an asyncio channel of this one (``grpc_stream_gbps``: what the transport alone carries;
+alternated, so that a slower moment of the machine slows both); last, a copy of them in
+memory (``memcpy_gbps``). Gigabits are 10⁹ bits a second. Every round's blocks are compared
+(two layers' K/V read back from both workers) before the figures are printed.
+
+Usage::
+
+    kvservice bench-transfer [--batch-mib 32] [--rounds 16] [--chunk-kib 4096] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "smollm2-135m"
+RAW_SERVICE = "/kvservice.bench.RawStream/Pull"
+
+
+def progress(msg: str) -> None:
+    print(f"[bench-transfer] {msg}", file=sys.stderr, flush=True)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes * 8 / seconds / 1e9, 3)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvservice.client import Client
+    from kvservice.tools.launcher import Stack
+    from kvservice.v1 import worker_pb2 as wpb, worker_pb2_grpc as wpb_grpc
+    from worker import tensors
+
+    with Stack(2, model=MODEL, block_size=16, num_blocks=args.num_blocks) as stack, \
+            Client(stack.target, credentials=stack.credentials("engine")) as client:
+        pools = {p.pool_id: p for p in client.pools()}
+        src_pool, dst_pool = pools["worker-0"], pools["worker-1"]
+        channels = {name: stack.credentials("engine").channel(p.worker_address) for name, p in pools.items()}
+        stubs = {name: wpb_grpc.WorkerStub(ch) for name, ch in channels.items()}
+        info = stubs["worker-0"].Describe(wpb.DescribeWorkerRequest())
+        per_block = info.bytes_per_block
+        blocks = max(1, (args.batch_mib << 20) // per_block)
+        if blocks > args.num_blocks - 1:
+            raise ValueError(f"--batch-mib {args.batch_mib} needs {blocks} blocks of {per_block} bytes; "
+                             f"the pools hold {args.num_blocks} (raise --num-blocks)")
+        tokens = blocks * 16
+        src = client.create(list(range(1, tokens + 1)), pool="worker-0")
+        dst = client.create(list(range(tokens + 1, 2 * tokens + 1)), pool="worker-1")
+        gen = torch.Generator().manual_seed(0)
+        g = info.geometry
+        slots = [b * 16 + i for b in src.block_table for i in range(16)]
+        for layer in (0, g.num_layers - 1):          # (random K/V in two layers: what the check compares)
+            shape = (len(slots), g.num_kv_heads, g.head_dim)
+            k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+            stubs["worker-0"].WriteKV(wpb.WriteKVRequest(
+                epoch=src_pool.epoch, layer=layer, slot_mapping=slots, key=tensors.encode(k),
+                value=tensors.encode(v), lease_id=client.lease_id, generation=client.generation("worker-0")))
+        request = wpb.FetchBlocksRequest(
+            epoch=dst_pool.epoch, lease_id=client.lease_id, generation=client.generation("worker-1"),
+            source_pool_id="worker-0", source_epoch=src_pool.epoch, chunk_bytes=args.chunk_kib << 10,
+            fetches=[wpb.BlockFetch(src_tier=0, src=s, dst=d) for s, d in zip(src.block_table, dst.block_table)])
+        stubs["worker-1"].FetchBlocks(request, timeout=120)         # (a warm-up round: channels, allocations)
+        progress(f"{args.rounds} rounds of {blocks} blocks ({blocks * per_block / 2**20:.1f} MiB), each a fetch "
+                 f"then a raw stream of as many bytes")
+        batch = blocks * per_block
+        seconds = raw_seconds = 0.0
+        with RawStream(stack, args.chunk_kib << 10) as raw:
+            raw.pull(batch)                                          # (its warm-up)
+            for _ in range(args.rounds):     # (alternated: a slower moment of the machine slows both)
+                start = time.perf_counter()
+                reply = stubs["worker-1"].FetchBlocks(request, timeout=120)
+                seconds += time.perf_counter() - start
+                failed = [r.error for r in reply.results if not r.ok]
+                if failed:
+                    raise RuntimeError(f"{len(failed)} blocks not moved: {failed[0]}")
+                raw_seconds += raw.pull(batch)
+        moved = args.rounds * batch
+        dst_slots = [b * 16 + i for b in dst.block_table for i in range(16)]
+        for layer in (0, g.num_layers - 1):
+            a = stubs["worker-0"].ReadKV(wpb.ReadKVRequest(epoch=src_pool.epoch, layer=layer, slots=slots))
+            b = stubs["worker-1"].ReadKV(wpb.ReadKVRequest(epoch=dst_pool.epoch, layer=layer, slots=dst_slots))
+            if a.key.data != b.key.data or a.value.data != b.value.data:
+                raise RuntimeError(f"layer {layer}: the fetched blocks differ from the source's")
+        for ch in channels.values():
+            ch.close()
+        src.free()
+        dst.free()
+    data = torch.randint(0, 255, (blocks * per_block,), dtype=torch.uint8)
+    out = torch.empty_like(data)
+    start = time.perf_counter()
+    for _ in range(args.rounds):
+        out.copy_(data)
+    copy_seconds = time.perf_counter() - start
+    raw = _gbps(moved, raw_seconds)
+    return {"gbps": _gbps(moved, seconds), "grpc_stream_gbps": raw, "memcpy_gbps": _gbps(moved, copy_seconds),
+            "bytes_moved": moved, "batch_bytes": blocks * per_block, "blocks_per_batch": blocks,
+            "bytes_per_block": per_block, "rounds": args.rounds, "chunk_bytes": args.chunk_kib << 10,
+            "seconds": round(seconds, 3), "ratio": round(_gbps(moved, seconds) / raw, 3) if raw else 0.0}
+
+
+class RawStream:
+    """A plain gRPC stream server in another process (the stack's server certificate,
+    messages of ``chunk`` bytes) and a client of it in this one (worker-1's certificate,
+    an asyncio channel as a worker's), on a loop of its own thread."""
+
+    def __init__(self, stack: Any, chunk: int) -> None:
+        self.stack, self.chunk = stack, chunk
+
+    def __enter__(self) -> "RawStream":
+        import threading
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvs-bench-transfer-")
+        port_file = Path(self._tmp.name, "port")
+        self.server = subprocess.Popen([sys.executable, "-c", "from kvservice.tools.bench_transfer import serve_raw; "
+                                        f"serve_raw({str(port_file)!r}, {self.stack.credentials_dir!r}, {self.chunk})"])
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text().strip():
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError("the raw stream server did not start")
+            time.sleep(0.05)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.channel = self._run(self._open(f"localhost:{int(port_file.read_text())}"))
+        return self
+
+    async def _open(self, target: str) -> Any:
+        from worker.transfer import MAX_MESSAGE_BYTES
+
+        return self.stack.credentials("worker-1").aio_channel(target, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=300)
+
+    def pull(self, nbytes: int) -> float:
+        """Seconds to stream ``nbytes``."""
+        async def pull() -> float:
+            start = time.perf_counter()
+            got = 0
+            async for message in self.channel.unary_stream(RAW_SERVICE)(str(nbytes).encode()):
+                got += len(message)
+            if got != nbytes:
+                raise RuntimeError(f"the raw stream brought {got} bytes of {nbytes}")
+            return time.perf_counter() - start
+        return self._run(pull())
+
+    def __exit__(self, *exc: Any) -> None:
+        if getattr(self, "channel", None) is not None:
+            self._run(self.channel.close())
+        if getattr(self, "loop", None) is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+        self.server.terminate()
+        self.server.wait(timeout=10)
+        self._tmp.cleanup()
+
+
+def serve_raw(port_file: str, credentials_dir: str, chunk: int) -> None:
+    """The raw stream server (run in its own process): answers a request of N bytes with
+    N bytes in messages of ``chunk`` bytes, over mTLS with the stack's certificates."""
+    import grpc
+
+    from kvservice.common.security import ServerTls
+    from worker.transfer import MAX_MESSAGE_BYTES
+
+    payload = os.urandom(chunk)
+
+    async def pull(request: bytes, context: Any):
+        left = int(request)
+        while left > 0:
+            n = min(chunk, left)
+            yield payload[:n]
+            left -= n
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        service, method = RAW_SERVICE.strip("/").split("/")
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            service, {method: grpc.unary_stream_rpc_method_handler(pull)})])
+        tls = ServerTls(f"{credentials_dir}/server.pem", f"{credentials_dir}/server-key.pem",
+                        f"{credentials_dir}/ca.pem")
+        port = server.add_secure_port("localhost:0", tls.credentials())
+        await server.start()
+        Path(port_file).write_text(str(port))
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-mib", type=int, default=32,
+                   help="MiB of blocks per fetch (default 32; at least 16 for the reference figures)")
+    p.add_argument("--rounds", type=int, default=16,
+                   help="rounds timed, each a fetch and a raw stream of as many bytes (default 16)")
+    p.add_argument("--chunk-kib", type=int, default=4096,
+                   help="KiB per stream message (default 4096; 64 to 16384)")
+    p.add_argument("--num-blocks", type=int, default=96,
+                   help="device blocks per worker (default 96; a batch must fit)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+
+def report(fig: dict[str, Any]) -> str:
+    return (f"{fig['rounds']} fetches of {fig['blocks_per_batch']} blocks ({fig['batch_bytes'] / 2**20:.1f} MiB, "
+            f"{fig['bytes_per_block']} bytes a block), messages of {fig['chunk_bytes'] >> 10} KiB\n"
+            f"blocks moved        {fig['gbps']:8.2f} Gb/s ({fig['ratio']:.2f}x the raw stream)\n"
+            f"raw gRPC stream     {fig['grpc_stream_gbps']:8.2f} Gb/s\n"
+            f"memory copy         {fig['memcpy_gbps']:8.2f} Gb/s")
+
+
+def main(args: argparse.Namespace) -> int:
+    if min(args.batch_mib, args.rounds, args.num_blocks) < 1 or not 64 <= args.chunk_kib <= 16384:
+        print("kvservice bench-transfer: --batch-mib, --rounds and --num-blocks must be positive, --chunk-kib "
+              "64 to 16384", file=sys.stderr)
+        return 2
+    try:
+        fig = measure(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvservice bench-transfer: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(fig, indent=2) if args.json else report(fig))
+    return 0

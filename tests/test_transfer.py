@@ -1,0 +1,263 @@
+"""Blocks between workers (DESIGN §13, worker/transfer.py): the pieces of a PullBlocks
+stream and their reassembly, then two real worker processes in a secure stack: a
+worker fills its blocks with another's (device blocks and host-tier entries) over
+PullBlocks, byte for byte; a block that fails a check is reported and left unwritten;
+a stale epoch, a dead source, an engine pulling directly are refused."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from kvservice.client import Client
+from kvservice.tools.launcher import Stack
+from kvservice.v1 import worker_pb2 as pb
+from kvservice.v1 import worker_pb2_grpc as pb_grpc
+from worker import tensors
+from worker.tiers import LoadFailed
+from worker.transfer import Assembler, Piece, block_checksum, decode, encode, from_message, pieces, verify
+
+BS = 16
+#: 4 layers x 4 KV heads x 64 dims x 16 slots x float32, K and V: 131,072 bytes a block,
+#: three pieces of a 64 KiB stream.
+GEOMETRY = ("--num-layers", "4", "--num-kv-heads", "4", "--head-dim", "64", "--dtype", "float32")
+CHUNK = 64 << 10
+
+
+# ------------------------------------------------------------------ pieces
+
+def _blocks(n: int, size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def _read_from(data: list[torch.Tensor], bad: set[int] = frozenset()):
+    def read(tier: int, index: int, tag: bytes) -> torch.Tensor:
+        if index in bad:
+            raise LoadFailed(f"host entry {index}: checksum mismatch")
+        return data[index]
+    return read
+
+
+def _assemble(chunks: list[list[Piece]], n: int, size: int) -> list[tuple[int, bytes | None, str]]:
+    """What a destination makes of a stream's messages: per block, its bytes or its error."""
+    got = Assembler(n, size)
+    out = [x for c in chunks for x in got.feed(c)] + got.missing("the stream ended before this block")
+    checked = [(p, d, e or verify(d, digest)) for p, d, e, digest in out]
+    return [(p, None if e else bytes(d), e) for p, d, e in checked]
+
+
+def _wire(chunks: list[list[Piece]]) -> list[list[Piece]]:
+    """The messages as a destination reads them: encoded, then decoded in place."""
+    return [decode(encode(c)) for c in chunks]
+
+
+def test_blocks_larger_than_a_message_travel_in_pieces_and_come_back_whole():
+    data = _blocks(5, 150_000)
+    chunks = list(pieces([(1, i, b"") for i in range(5)], _read_from(data), CHUNK))
+    assert all(sum(len(p.data) for p in c) <= CHUNK for c in chunks)
+    assert len(chunks) == 12                               # (750,000 bytes in 64 KiB messages)
+    out = _assemble(_wire(chunks), 5, 150_000)
+    assert [(p, e) for p, _, e in out] == [(i, "") for i in range(5)]
+    assert [d for _, d, _ in out] == [bytes(x.numpy()) for x in data]
+    small = list(pieces([(1, i, b"") for i in range(5)], _read_from(_blocks(5, 1000)), CHUNK))
+    assert len(small) == 1 and len(small[0]) == 5      # (several blocks in one message)
+
+
+def test_the_wire_format_is_block_chunk_s_both_ways():
+    """``encode`` writes what protobuf parses as the BlockChunk built from the same pieces,
+    and ``decode`` reads protobuf's own serialization (fields in any order, unknown ones
+    skipped)."""
+    chunk = [Piece(0, 0, b"abc", True, 7), Piece(1, last=True, error="no such entry"),
+             Piece(300, 70_000, bytes(range(256)) * 3, False, 0), Piece(2, 0, b"", True, 2**64 - 1)]
+    message = pb.BlockChunk(pieces=[pb.BlockPiece(position=p.position, offset=p.offset, data=bytes(p.data),
+                                                  last=p.last, checksum=p.checksum, error=p.error) for p in chunk])
+    assert pb.BlockChunk.FromString(encode(chunk)) == message
+    assert [p._replace(data=bytes(p.data)) for p in decode(message.SerializeToString())] == \
+        [p._replace(data=bytes(p.data)) for p in chunk]
+    assert from_message(message)[2].offset == 70_000
+    unknown = b"\x10\x05" + message.SerializeToString() + b"\x1a\x02hi"     # (fields 2 and 3 of BlockChunk)
+    assert len(decode(unknown)) == 4
+    for bad in (b"\x0a\x05ab", b"\x0a\x80"):
+        with pytest.raises(ValueError):
+            decode(bad)
+
+
+def test_an_unreadable_block_a_flipped_byte_and_a_broken_stream_fail_only_their_blocks():
+    data = _blocks(4, 100_000)
+    chunks = [[p._replace(data=bytes(p.data)) for p in c]
+              for c in pieces([(1, i, b"") for i in range(4)], _read_from(data, bad={1}), CHUNK)]
+    out = _assemble(chunks, 4, 100_000)
+    assert [e == "" for _, _, e in out] == [True, False, True, True]
+    assert "checksum mismatch" in out[1][2] and out[1][1] is None
+    # A byte flipped in transit: that block fails its checksum, the others arrive.
+    c, k = next((c, k) for c in chunks for k, p in enumerate(c) if p.position == 2)
+    c[k] = c[k]._replace(data=bytes([c[k].data[0] ^ 1]) + c[k].data[1:])
+    out = _assemble(chunks, 4, 100_000)
+    assert [e == "" for _, _, e in out] == [True, False, False, True] and "checksum" in out[2][2]
+    # Pieces out of order: the stream is broken from there on; a stream cut short fails the rest.
+    # (chunk 0 holds block 0's first 65,536 bytes, chunk 1 the rest of it and block 1's start)
+    reordered = [chunks[0], chunks[1], chunks[3], chunks[2], *chunks[4:]]
+    out = _assemble(reordered, 4, 100_000)
+    assert out[0][2] == "" and all(e for _, _, e in out[1:]) and len(out) == 4
+    assert "broke off" in out[1][2] or "broke off" in out[2][2]
+    out = _assemble(chunks[:2], 4, 100_000)
+    assert [p for p, _, e in out if e] == [1, 2, 3] and "ended" in out[-1][2]
+    # Too many bytes for a block, or a wrong checksum sent: that block fails.
+    lying = [Piece(0, data=b"x" * 10, last=True, checksum=block_checksum(b"y"))]
+    assert "checksum" in _assemble([lying], 1, 10)[0][2]
+    assert "bytes, a block has" in _assemble([lying], 1, 5)[0][2]
+
+
+# ------------------------------------------------------------------ two workers
+
+@pytest.fixture(scope="module")
+def stack():
+    with Stack(2, model="", block_size=BS, num_blocks=32,
+               worker_args=(*GEOMETRY, "--host-tier-gb", "0.002")) as s:
+        yield s
+
+
+def _stub(stack: Stack, pool: str, who: str = "engine") -> tuple[grpc.Channel, pb_grpc.WorkerStub]:
+    i = int(pool.rsplit("-", 1)[1])
+    channel = stack.credentials(who).channel(stack.workers[i].target)
+    return channel, pb_grpc.WorkerStub(channel)
+
+
+class Pair:
+    """A client, and a stub of each worker with each pool's epoch."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.client = Client(stack.target, credentials=stack.credentials("engine"))
+        self.channels, self.stubs, self.epochs = [], {}, {}
+        for pool in ("worker-0", "worker-1"):
+            ch, stub = _stub(stack, pool)
+            self.channels.append(ch)
+            self.stubs[pool] = stub
+            self.epochs[pool] = stub.Describe(pb.DescribeWorkerRequest(), timeout=10).epoch
+        #: (what every write carries: the pool's generation, from its registration)
+        self.generations = {p.pool_id: p.generation for p in self.client.pools()}
+
+    def write(self, pool: str, blocks: list[int], seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        slots = [b * BS + i for b in blocks for i in range(BS)]
+        for layer in range(4):
+            k, v = torch.randn(len(slots), 4, 64, generator=g), torch.randn(len(slots), 4, 64, generator=g)
+            self.stubs[pool].WriteKV(pb.WriteKVRequest(
+                epoch=self.epochs[pool], layer=layer, slot_mapping=slots, key=tensors.encode(k),
+                value=tensors.encode(v), lease_id=self.client.lease_id, generation=self.generations[pool]))
+
+    def read(self, pool: str, block: int) -> bytes:
+        slots = list(range(block * BS, (block + 1) * BS))
+        out = b""
+        for layer in range(4):
+            r = self.stubs[pool].ReadKV(pb.ReadKVRequest(epoch=self.epochs[pool], layer=layer, slots=slots))
+            out += r.key.data + r.value.data
+        return out
+
+    def fetch(self, fetches: list[pb.BlockFetch], **kw) -> pb.FetchBlocksResponse:
+        request = pb.FetchBlocksRequest(epoch=self.epochs["worker-1"], lease_id=self.client.lease_id,
+                                        generation=self.generations["worker-1"], source_pool_id="worker-0",
+                                        source_epoch=self.epochs["worker-0"], chunk_bytes=CHUNK, fetches=fetches)
+        for k, v in kw.items():
+            setattr(request, k, v)
+        return self.stubs["worker-1"].FetchBlocks(request, timeout=30)
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        self.client.close()
+
+
+@pytest.fixture
+def pair(stack):
+    p = Pair(stack)
+    yield p
+    p.close()
+
+
+def test_a_worker_fills_its_blocks_with_another_worker_s_byte_for_byte(stack, pair):
+    src = pair.client.create(list(range(1, 4 * BS + 1)), pool="worker-0")
+    dst = pair.client.create(list(range(1000, 1000 + 4 * BS)), pool="worker-1")
+    pair.write("worker-0", list(src.block_table), seed=1)
+    pair.write("worker-1", list(dst.block_table), seed=2)
+    reply = pair.fetch([pb.BlockFetch(src_tier=0, src=s, dst=d) for s, d in zip(src.block_table, dst.block_table)])
+    assert [r.ok for r in reply.results] == [True] * 4, [r.error for r in reply.results]
+    assert reply.bytes_moved == 4 * 131_072
+    for s, d in zip(src.block_table, dst.block_table):
+        assert pair.read("worker-1", d) == pair.read("worker-0", s)
+    src.free()
+    dst.free()
+    w0, w1 = stack.workers
+    assert _metric(w1.metrics_url, "kvservice_worker_transfer_blocks_total", direction="in") >= 4
+    assert _metric(w0.metrics_url, "kvservice_worker_transfer_bytes_total", direction="out") >= 4 * 131_072
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def test_a_host_entry_is_fetched_once_its_hash_matches_and_a_mismatch_leaves_the_block_unwritten(pair):
+    src = pair.client.create(list(range(1, 2 * BS + 1)), pool="worker-0")
+    dst = pair.client.create(list(range(2000, 2000 + 2 * BS)), pool="worker-1")
+    pair.write("worker-0", list(src.block_table), seed=3)
+    moved = pair.stubs["worker-0"].MoveBlocks(pb.MoveBlocksRequest(
+        epoch=pair.epochs["worker-0"], lease_id=pair.client.lease_id, generation=pair.generations["worker-0"],
+        moves=[pb.BlockMove(src_tier=0, src=b, dst_tier=1, dst=i, block_hash=bytes([i + 1]) * 16)
+               for i, b in enumerate(src.block_table)]))
+    assert all(r.ok for r in moved.results)
+    before = pair.read("worker-1", dst.block_table[1])
+    reply = pair.fetch([pb.BlockFetch(src_tier=1, src=0, block_hash=b"\x01" * 16, dst=dst.block_table[0]),
+                        pb.BlockFetch(src_tier=1, src=1, block_hash=b"\x07" * 16, dst=dst.block_table[1])])
+    assert reply.results[0].ok and not reply.results[1].ok
+    assert "holds block" in reply.results[1].error
+    assert pair.read("worker-1", dst.block_table[0]) == pair.read("worker-0", src.block_table[0])
+    assert pair.read("worker-1", dst.block_table[1]) == before
+    src.free()
+    dst.free()
+
+
+def test_a_stale_source_epoch_a_bad_request_and_an_engine_pulling_directly_are_refused(stack, pair):
+    fetches = [pb.BlockFetch(src_tier=0, src=0, dst=0)]
+    with pytest.raises(grpc.RpcError) as info:
+        pair.fetch(fetches, source_epoch=pair.epochs["worker-0"] + 1)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in info.value.details()
+    for kw, words in (({"source_pool_id": "worker-1"}, "own"), ({"source_pool_id": ""}, "source_pool_id"),
+                      ({"chunk_bytes": 10}, "chunk_bytes")):
+        with pytest.raises(grpc.RpcError) as info:
+            pair.fetch(fetches, **kw)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        pair.fetch([pb.BlockFetch(src_tier=0, src=0, dst=32)])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in info.value.details()
+    pull = pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"], blocks=[pb.BlockRef(index=0)])
+    for who in ("engine", "admin"):
+        ch, stub = _stub(stack, "worker-0", who)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.PullBlocks(pull, timeout=10))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, who
+        ch.close()
+    ch, stub = _stub(stack, "worker-0", "worker-1")          # (another worker's identity: served)
+    chunks = list(stub.PullBlocks(pull, timeout=10))
+    assert sum(len(p.data) for c in chunks for p in c.pieces) == 131_072
+    stale = pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"] + 1, blocks=[pb.BlockRef()])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.PullBlocks(stale, timeout=10))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    ch.close()
+
+
+def test_a_dead_source_fails_every_block_and_writes_none(stack, pair):
+    dst = pair.client.create(list(range(3000, 3000 + 2 * BS)), pool="worker-1")
+    before = [pair.read("worker-1", b) for b in dst.block_table]
+    stack.workers[0].kill()
+    reply = pair.fetch([pb.BlockFetch(src_tier=0, src=i, dst=b) for i, b in enumerate(dst.block_table)])
+    assert [r.ok for r in reply.results] == [False, False]
+    assert all("transfer failed" in r.error for r in reply.results), reply.results[0].error
+    assert [pair.read("worker-1", b) for b in dst.block_table] == before
+    dst.free()

@@ -1,0 +1,446 @@
+"""Blocks that move between workers (DESIGN §13): the data plane.
+
+A block's bytes are what a lower tier stores (``worker.tiers``): every layer's K then V of
+its slots, ``PoolShape.bytes_per_block`` bytes. They travel as a stream of pieces:
+
+- the **source** (``PullBlocks``, ``pieces``) reads each block asked for, from its device
+  pool or from a host or disk entry (whose stored checksum and hash are checked first),
+  and sends it in pieces, each message filled up to ``chunk_bytes`` (a block may span
+  messages, a message hold several blocks); a block's last piece carries the checksum of
+  the whole block (XXH3-64: twice as fast as CRC-32 here, and the transfer's cost is
+  its checksums and copies). A block it cannot read (an entry that fails its checks, an
+  index out of range) is one piece with an ``error`` and no bytes.
+- the **destination** (``FetchBlocks``, ``Assembler``) puts the pieces back together, in
+  order and without gaps, checks each block's length and checksum, and writes it into the
+  device block named for it. A block that fails any check is reported and its device
+  block left as it was: the caller recomputes those tokens; wrong KV is never written.
+
+The messages are written and read without building protobuf objects (``encode``,
+``decode``: BlockChunk's wire format), and each is prepared or written in a thread while
+the next one travels. The transport is an interface (``Transport``: ``pull`` yields the
+pieces of one stream); ``GrpcTransport`` is gRPC streaming between workers (the worker role, mTLS or a
+token as every kvservice call). A GPU deployment would plug a GPU-direct transport (NIXL,
+Mooncake's transfer engine) in its place: the pieces and their checks stay the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, NamedTuple, Protocol
+
+import torch
+import xxhash
+
+from kvservice import errors
+from kvservice.v1 import worker_pb2 as pb
+from worker.pool import KVPool
+from worker.tiers import DEVICE, LoadFailed, Tiers, block_bytes, checksum, put_block
+
+#: Bytes per message of a PullBlocks stream unless the request says otherwise.
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: Bounds of PullBlocksRequest.chunk_bytes.
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 << 10, 16 << 20
+#: Blocks in one PullBlocks or FetchBlocks call at most.
+MAX_BLOCKS = 65_536
+#: A pull's deadline: this many seconds, plus its bytes at this many bytes a second (a
+#: source that stalls fails the blocks it has not sent, rather than holding the fetch).
+PULL_SECONDS, PULL_RATE = 10.0, 20e6
+#: The largest gRPC message a transfer sends: a chunk and its framing.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
+
+
+def read_block(pool: KVPool, tiers: Tiers | None, tier: int, index: int, tag: bytes) -> torch.Tensor:
+    """A block's bytes (uint8 on the CPU): device block ``index``, or entry ``index`` of the
+    host (1) or disk (2) tier once it passes its checksum and holds ``tag``.
+
+    Raises:
+        LoadFailed: no such tier, or the entry's bytes are not the block asked for.
+        ValueError: an index out of range.
+    """
+    if tier == DEVICE:
+        if not 0 <= index < pool.shape.num_blocks:
+            raise ValueError(f"block {index} is out of range 0..{pool.shape.num_blocks - 1}")
+        return block_bytes(pool, index)
+    if tiers is None:
+        raise LoadFailed("this worker has no lower tier")
+    return tiers._tier(tier).get(index, tag)
+
+
+class Piece(NamedTuple):
+    """One ``BlockPiece`` of a stream (``data``: bytes or a memoryview into a message)."""
+
+    position: int
+    offset: int = 0
+    data: Any = b""
+    last: bool = False
+    checksum: int = 0
+    error: str = ""
+
+
+def pieces(blocks: Iterable[tuple[int, int, bytes]], read: Any, chunk_bytes: int) -> Iterator[list[Piece]]:
+    """The messages of a PullBlocks stream, each a list of pieces: ``blocks`` (tier, index,
+    hash) read with ``read(tier, index, hash)`` and cut so that each message holds
+    ``chunk_bytes`` of data (the last one less)."""
+    chunk: list[Piece] = []
+    size = 0
+    for position, (tier, index, tag) in enumerate(blocks):
+        try:
+            data = read(tier, index, tag).numpy()
+        except (LoadFailed, ValueError) as exc:
+            chunk.append(Piece(position, last=True, error=str(exc) or "unreadable"))
+            continue
+        digest = block_checksum(data)
+        view = memoryview(data).cast("B")
+        offset = 0
+        while True:                  # (pieces that fill each message up to chunk_bytes)
+            if size >= chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            part = view[offset:offset + chunk_bytes - size]
+            offset += len(part)
+            last = offset >= len(view)
+            chunk.append(Piece(position, offset - len(part), part, last, digest if last else 0))
+            size += len(part)
+            if last:
+                break
+    if chunk:
+        yield chunk
+
+
+# The wire format of BlockChunk (kvservice.v1.worker.proto), written and read here without
+# building messages: a block's bytes are copied once into the message on the source, and
+# read in place on the destination. Any protobuf library reads what ``encode`` writes.
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode(chunk: list[Piece]) -> bytes:
+    """A BlockChunk's serialized bytes."""
+    parts: list[Any] = []
+    for p in chunk:
+        head = bytearray()
+        if p.position:
+            head += b"\x08" + _varint(p.position)
+        if p.offset:
+            head += b"\x10" + _varint(p.offset)
+        tail = bytearray()
+        if p.last:
+            tail += b"\x20\x01"
+        if p.checksum:
+            tail += b"\x29" + p.checksum.to_bytes(8, "little")
+        if p.error:
+            err = p.error.encode()
+            tail += b"\x32" + _varint(len(err)) + err
+        data_head = b"\x1a" + _varint(len(p.data)) if len(p.data) else b""
+        body = len(head) + len(data_head) + len(p.data) + len(tail)
+        parts += [b"\x0a" + _varint(body), head, data_head, p.data, tail]
+    return b"".join(parts)
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("a truncated or overlong varint")
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, i
+        shift += 7
+
+
+def _skip(buf: memoryview, i: int, wire: int) -> int:
+    if wire == 0:
+        return _read_varint(buf, i)[1]
+    if wire == 2:
+        n, i = _read_varint(buf, i)
+        return i + n
+    if wire == 1:
+        return i + 8
+    if wire == 5:
+        return i + 4
+    raise ValueError(f"wire type {wire}")
+
+
+def decode(message: bytes) -> list[Piece]:
+    """The pieces of a serialized BlockChunk; ``data`` are views into ``message``.
+
+    Raises:
+        ValueError: not a BlockChunk's bytes.
+    """
+    buf = memoryview(message)
+    out = []
+    i = 0
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        if key != 0x0A:
+            i = _skip(buf, i, key & 7)
+            continue
+        n, i = _read_varint(buf, i)
+        end = i + n
+        if end > len(buf):
+            raise ValueError("a piece runs past the message")
+        f = {1: 0, 2: 0, 3: b"", 4: 0, 5: 0, 6: b""}
+        while i < end:
+            key, i = _read_varint(buf, i)
+            field, wire = key >> 3, key & 7
+            if wire == 0 and field in (1, 2, 4):
+                f[field], i = _read_varint(buf, i)
+            elif wire == 1 and field == 5:
+                f[5] = int.from_bytes(buf[i:i + 8], "little")
+                i += 8
+            elif wire == 2 and field in (3, 6):
+                size, i = _read_varint(buf, i)
+                f[field] = buf[i:i + size]
+                i += size
+            else:
+                i = _skip(buf, i, wire)
+        if i != end:
+            raise ValueError("a piece's fields run past it")
+        out.append(Piece(f[1], f[2], f[3], bool(f[4]), f[5], bytes(f[6]).decode(errors="replace")))
+    return out
+
+
+def from_message(chunk: pb.BlockChunk) -> list[Piece]:
+    """The pieces of a parsed BlockChunk."""
+    return [Piece(p.position, p.offset, p.data, p.last, p.checksum, p.error) for p in chunk.pieces]
+
+
+class Assembler:
+    """Puts a PullBlocks stream's pieces back into blocks of ``bytes_per_block`` bytes, for
+    ``count`` blocks asked for in order; ``feed`` returns the blocks a message completes:
+    (position, its bytes (a buffer; None: failed), error, the checksum sent), the bytes'
+    checksum still to be compared (``verify``: off the receiving loop)."""
+
+    def __init__(self, count: int, bytes_per_block: int) -> None:
+        self.count = count
+        self.bytes_per_block = bytes_per_block
+        self.position = 0           # the block being received
+        self.buffer = bytearray()
+        self.failed = False          # (the stream broke its order: every block after is failed)
+
+    def feed(self, chunk: list[Piece]) -> list[tuple[int, Any, str, int]]:
+        out: list[tuple[int, Any, str, int]] = []
+        for piece in chunk:
+            if self.failed:
+                return out
+            if piece.position != self.position or piece.offset != len(self.buffer) or self.position >= self.count:
+                self.failed = True
+                out.append((self.position, None, f"the stream broke off: piece of block {piece.position} at "
+                                                  f"offset {piece.offset}, expected block {self.position} at "
+                                                  f"{len(self.buffer)}", 0))
+                return out
+            if piece.error:
+                out.append((self.position, None, f"the source could not read it: {piece.error}", 0))
+                self._next()
+                continue
+            if piece.last and not self.buffer:
+                data = piece.data           # (a block in one piece: read in place)
+            else:
+                self.buffer += piece.data
+                data = self.buffer          # (handed over: the next block gets a new buffer)
+            if len(data) > self.bytes_per_block or (piece.last and len(data) != self.bytes_per_block):
+                out.append((self.position, None, f"{len(data)} bytes, a block has {self.bytes_per_block}", 0))
+                if not piece.last:
+                    self.failed = True
+                    return out
+                self._next()
+                continue
+            if piece.last:
+                out.append((self.position, data, "", piece.checksum))      # (checked by ``verify``)
+                self._next()
+        return out
+
+    def missing(self, why: str) -> list[tuple[int, Any, str, int]]:
+        """The blocks the stream never completed (it ended, or broke off), each failed."""
+        return [(p, None, why, 0) for p in range(self.position + (1 if self.failed else 0), self.count)]
+
+    def _next(self) -> None:
+        self.position += 1
+        self.buffer = bytearray()
+
+
+def block_checksum(data: Any) -> int:
+    """A block's checksum in transit: XXH3-64 of its bytes (any buffer). (A lower tier's
+    entries keep a CRC-32: worker.tiers.)"""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def verify(data: Any, checksum: int) -> str:
+    """"" when ``data`` has the checksum ``checksum``, else why not."""
+    actual = block_checksum(data)
+    return "" if actual == checksum else f"checksum {actual:#018x}, sent {checksum:#018x}"
+
+
+class Transport(Protocol):
+    """How a destination worker reads blocks of another worker's pool."""
+
+    def pull(self, address: str, request: pb.PullBlocksRequest, timeout: float) -> AsyncIterator[list[Piece]]:
+        """The pieces of the source's PullBlocks stream for ``request``, message by
+        message, within ``timeout`` seconds."""
+        ...
+
+
+PULL_METHOD = "/kvservice.v1.Worker/PullBlocks"
+
+
+class GrpcTransport:
+    """PullBlocks over gRPC: one channel per source address, with this worker's client
+    credentials (its worker identity) and messages up to ``MAX_MESSAGE_BYTES``, read in
+    place (``decode``)."""
+
+    def __init__(self, credentials: Any = None) -> None:
+        from kvservice.common.security import ClientCredentials
+
+        self.credentials = credentials or ClientCredentials()
+        self.channels: dict[str, Any] = {}
+
+    async def pull(self, address: str, request: pb.PullBlocksRequest, timeout: float) -> AsyncIterator[list[Piece]]:
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = self.channels[address] = self.credentials.aio_channel(address, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        call = channel.unary_stream(PULL_METHOD, request_serializer=pb.PullBlocksRequest.SerializeToString,
+                                    response_deserializer=None)
+        async for message in call(request, timeout=timeout):
+            yield decode(message)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+        self.channels.clear()
+
+
+async def serve(blocks: list[tuple[int, int, bytes]], read: Any, chunk_bytes: int) -> AsyncIterator[bytes]:
+    """The source's side of PullBlocks: the stream's messages, serialized. Each message is
+    read, checksummed and encoded in a thread while the one before it is sent."""
+    loop = asyncio.get_running_loop()
+    messages = pieces(blocks, read, chunk_bytes)
+
+    def build() -> bytes | None:
+        chunk = next(messages, None)
+        return None if chunk is None else encode(chunk)
+
+    ahead = loop.run_in_executor(_EXECUTOR, build)
+    while True:
+        message = await ahead
+        if message is None:
+            return
+        ahead = loop.run_in_executor(_EXECUTOR, build)
+        yield message
+
+
+def serialize_chunk(message: Any) -> bytes:
+    """PullBlocks' response serializer: a message ``serve`` encoded already, or a BlockChunk."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+#: The threads that read, checksum and write blocks beside the event loop (xxhash
+#: and torch's copies let go of the GIL).
+_EXECUTOR = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvs-transfer")
+
+
+class Sources:
+    """Where other pools' workers are, and how to reach them: the allocator's registry
+    (``describe(pool_id)`` -> (worker address, epoch): DescribePool as this worker), read
+    again after ``ttl`` seconds or when an epoch differs; counts what this worker fetched
+    and served.
+
+    The address comes from the registry, never from the caller: a fetch cannot make the
+    worker present its identity to an address a client chose.
+    """
+
+    def __init__(self, transport: Transport, describe: Callable[[str], Awaitable[tuple[str, int]]] | None = None,
+                 ttl: float = 5.0) -> None:
+        self.transport = transport
+        self.describe = describe
+        self.ttl = ttl
+        self._known: dict[str, tuple[str, int, float]] = {}
+        #: Blocks fetched into this pool, failed fetches, bytes fetched; blocks and bytes served.
+        self.fetched = self.failed = self.fetched_bytes = self.served_blocks = self.served_bytes = 0
+
+    async def locate(self, pool_id: str, epoch: int) -> str:
+        """The address of ``pool_id``'s worker, once the pool is at ``epoch``.
+
+        Raises:
+            NotFound: no such pool. FailedPrecondition (EPOCH_CHANGED): another epoch.
+            Unavailable: the registry cannot be read.
+        """
+        known = self._known.get(pool_id)
+        if known is None or known[1] != epoch or time.monotonic() - known[2] > self.ttl:
+            if self.describe is None:
+                raise errors.FailedPrecondition("this worker has no allocator to find other pools' workers")
+            address, current = await self.describe(pool_id)
+            known = self._known[pool_id] = (address, current, time.monotonic())
+        if known[1] != epoch:
+            raise errors.FailedPrecondition(
+                f"pool {pool_id} is at epoch {known[1]}, not {epoch}: its worker restarted or re-registered, "
+                f"and the blocks asked for are gone", reason="EPOCH_CHANGED")
+        return known[0]
+
+    def count(self, fetched: int, failed: int, nbytes: int) -> None:
+        self.fetched += fetched
+        self.failed += failed
+        self.fetched_bytes += nbytes
+
+    def served(self, blocks: int, nbytes: int) -> None:
+        self.served_blocks += blocks
+        self.served_bytes += nbytes
+
+
+async def fetch(transport: Transport, address: str, request: pb.PullBlocksRequest, pool: KVPool,
+                destinations: list[int]) -> list[str]:
+    """Pulls ``request``'s blocks from the worker at ``address`` and writes block i into
+    device block ``destinations[i]``; returns one error per block ("" where written). A
+    block that fails a check, or that the stream never brought, is left as it was. Each
+    message's blocks are checked and written in a thread while the next one arrives."""
+    loop = asyncio.get_running_loop()
+    failures = [""] * len(destinations)
+    got = Assembler(len(destinations), pool.shape.bytes_per_block)
+    writes: list[asyncio.Future] = []
+
+    def write(done: list[tuple[int, Any, str, int]]) -> None:
+        for position, data, error, digest in done:
+            error = error or verify(data, digest)
+            if error:
+                failures[position] = error
+                continue
+            with warnings.catch_warnings():     # (a block read in place from its message: read-only)
+                warnings.simplefilter("ignore", UserWarning)
+                block = torch.frombuffer(data, dtype=torch.uint8)
+            put_block(pool, destinations[position], block)
+
+    timeout = PULL_SECONDS + len(destinations) * pool.shape.bytes_per_block / PULL_RATE
+    try:
+        async for chunk in transport.pull(address, request, timeout):
+            writes.append(loop.run_in_executor(_EXECUTOR, write, got.feed(chunk)))
+            if got.failed:
+                break
+        tail = "the stream ended before this block"
+    except Exception as exc:           # (the source died or refused: what did not come is failed)
+        tail = f"the transfer failed: {_reason(exc)}"
+    await asyncio.gather(*writes)
+    write(got.missing(tail))
+    return failures
+
+
+def _reason(exc: Exception) -> str:
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return str(exc) or type(exc).__name__
+
+
+__all__ = ["Assembler", "GrpcTransport", "LoadFailed", "Piece", "Sources", "Transport", "decode", "encode", "fetch",
+           "from_message", "pieces", "read_block", "serve", "serialize_chunk", "verify", "checksum"]
