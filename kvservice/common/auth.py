@@ -264,13 +264,18 @@ class AuthInterceptor(UnaryInterceptor):
                                           f"(caller {ident.name}; allowed: {allowed})")
         return ident
 
+    async def admit(self, context: grpc.aio.ServicerContext, method: str) -> contextvars.Token:
+        """Makes the caller, once ``check`` admits it, the one ``caller()`` names (reset
+        with the token returned); aborts the call otherwise."""
+        try:
+            return _caller.set(self.check(context, method))
+        except errors.KvsError as exc:
+            await abort(context, exc)
+            raise
+
     def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                ident = self.check(context, method)
-            except errors.KvsError as exc:
-                await abort(context, exc)
-            reset = _caller.set(ident)
+            reset = await self.admit(context, method)
             try:
                 return await inner(request, context)
             finally:
@@ -280,11 +285,7 @@ class AuthInterceptor(UnaryInterceptor):
 
     def wrap_stream(self, inner: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                ident = self.check(context, method)
-            except errors.KvsError as exc:
-                await abort(context, exc)
-            reset = _caller.set(ident)
+            reset = await self.admit(context, method)
             try:
                 async for message in inner(request, context):
                     yield message
