@@ -35,6 +35,7 @@ import torch
 import xxhash
 
 from kvservice import errors
+from kvservice.common.grpc import MAX_BLOCK_STREAM_MESSAGE
 from kvservice.v1 import worker_pb2 as pb
 from worker.pool import KVPool
 from worker.tiers import DEVICE, LoadFailed, Tiers, block_bytes, checksum, put_block
@@ -49,7 +50,8 @@ MAX_BLOCKS = 65_536
 #: source that stalls fails the blocks it has not sent, rather than holding the fetch).
 PULL_SECONDS, PULL_RATE = 10.0, 20e6
 #: The largest gRPC message a transfer sends: a chunk and its framing.
-MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
+MAX_MESSAGE_BYTES = MAX_BLOCK_STREAM_MESSAGE
+assert MAX_MESSAGE_BYTES >= MAX_CHUNK_BYTES + (1 << 20)
 
 
 def read_block(pool: KVPool, tiers: Tiers | None, tier: int, index: int, tag: bytes) -> torch.Tensor:

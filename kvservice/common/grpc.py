@@ -16,6 +16,9 @@ from grpc_reflection.v1alpha import reflection
 #: Status codes after which a call with a request id may be sent again unchanged.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
+#: The largest message of a stream of blocks between workers (Worker.PullBlocks): 16 MiB
+#: of data and its framing (worker/transfer.py).
+MAX_BLOCK_STREAM_MESSAGE = 17 << 20
 #: ``add_XServicer_to_server`` and the servicer it adds.
 ServicerAdder = tuple[Callable[[Any, grpc.aio.Server], None], Any]
 

@@ -21,15 +21,20 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kvservice.common.grpc import MAX_BLOCK_STREAM_MESSAGE
 
 MODEL = "smollm2-135m"
 RAW_SERVICE = "/kvservice.bench.RawStream/Pull"
@@ -44,12 +49,9 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
     from kvservice.client import Client
     from kvservice.tools.launcher import Stack
     from kvservice.v1 import worker_pb2 as wpb, worker_pb2_grpc as wpb_grpc
-    from worker import tensors
 
     with Stack(2, model=MODEL, block_size=16, num_blocks=args.num_blocks) as stack, \
             Client(stack.target, credentials=stack.credentials("engine")) as client:
@@ -66,15 +68,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         tokens = blocks * 16
         src = client.create(list(range(1, tokens + 1)), pool="worker-0")
         dst = client.create(list(range(tokens + 1, 2 * tokens + 1)), pool="worker-1")
-        gen = torch.Generator().manual_seed(0)
+        rng = random.Random(0)
         g = info.geometry
         slots = [b * 16 + i for b in src.block_table for i in range(16)]
+        shape = [len(slots), g.num_kv_heads, g.head_dim]
+
+        def randn() -> Any:              # (float32 K/V, as the SmolLM2 worker's pool holds)
+            data = array.array("f", (rng.gauss(0.0, 1.0) for _ in range(math.prod(shape)))).tobytes()
+            return wpb.Tensor(dtype="float32", shape=shape, data=data)
+
         for layer in (0, g.num_layers - 1):          # (random K/V in two layers: what the check compares)
-            shape = (len(slots), g.num_kv_heads, g.head_dim)
-            k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
             stubs["worker-0"].WriteKV(wpb.WriteKVRequest(
-                epoch=src_pool.epoch, layer=layer, slot_mapping=slots, key=tensors.encode(k),
-                value=tensors.encode(v), lease_id=client.lease_id, generation=client.generation("worker-0")))
+                epoch=src_pool.epoch, layer=layer, slot_mapping=slots, key=randn(), value=randn(),
+                lease_id=client.lease_id, generation=client.generation("worker-0")))
         request = wpb.FetchBlocksRequest(
             epoch=dst_pool.epoch, lease_id=client.lease_id, generation=client.generation("worker-1"),
             source_pool_id="worker-0", source_epoch=src_pool.epoch, chunk_bytes=args.chunk_kib << 10,
@@ -105,11 +111,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             ch.close()
         src.free()
         dst.free()
-    data = torch.randint(0, 255, (blocks * per_block,), dtype=torch.uint8)
-    out = torch.empty_like(data)
+    data = memoryview(os.urandom(blocks * per_block))
+    out = memoryview(bytearray(blocks * per_block))
     start = time.perf_counter()
     for _ in range(args.rounds):
-        out.copy_(data)
+        out[:] = data
     copy_seconds = time.perf_counter() - start
     raw = _gbps(moved, raw_seconds)
     return {"gbps": _gbps(moved, seconds), "grpc_stream_gbps": raw, "memcpy_gbps": _gbps(moved, copy_seconds),
@@ -146,11 +152,9 @@ class RawStream:
         return self
 
     async def _open(self, target: str) -> Any:
-        from worker.transfer import MAX_MESSAGE_BYTES
-
         return self.stack.credentials("worker-1").aio_channel(target, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_receive_message_length", MAX_BLOCK_STREAM_MESSAGE),
+            ("grpc.max_send_message_length", MAX_BLOCK_STREAM_MESSAGE)])
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=300)
@@ -184,7 +188,6 @@ def serve_raw(port_file: str, credentials_dir: str, chunk: int) -> None:
     import grpc
 
     from kvservice.common.security import ServerTls
-    from worker.transfer import MAX_MESSAGE_BYTES
 
     payload = os.urandom(chunk)
 
@@ -196,8 +199,8 @@ def serve_raw(port_file: str, credentials_dir: str, chunk: int) -> None:
             left -= n
 
     async def main() -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                          ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_BLOCK_STREAM_MESSAGE),
+                                          ("grpc.max_send_message_length", MAX_BLOCK_STREAM_MESSAGE)])
         service, method = RAW_SERVICE.strip("/").split("/")
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             service, {method: grpc.unary_stream_rpc_method_handler(pull)})])
