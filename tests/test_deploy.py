@@ -1185,12 +1185,13 @@ def _owned_dirs(stages: list[Stage]) -> set[str]:
     """Directories that the final stage makes and gives to user 10001 (``mkdir ... && chown
     10001:10001 DIR``): a new named volume mounted there takes that owner."""
     runs = " && ".join(rest for w, rest in stages[-1].instructions if w == "RUN")
-    made = set(re.findall(r"mkdir (?:-\S+ \S+ |-p )?(/\S+)", runs))
-    owned = set(re.findall(r"chown 10001:10001 (/\S+)", runs))
+    made = {d for dirs in re.findall(r"mkdir (?:-\S+ \S+ |-p )?((?:/\S+ ?)+)", runs) for d in dirs.split()}
+    owned = {d for dirs in re.findall(r"chown 10001:10001 ((?:/\S+ ?)+)", runs) for d in dirs.split()}
     return made & owned
 
 
-@pytest.mark.parametrize("image,volume", [("allocator", "certs"), ("worker-cpu", "models"), ("worker-gpu", "models")])
+@pytest.mark.parametrize("image,volume", [("allocator", "certs"), ("worker-cpu", "models"), ("worker-gpu", "models"),
+                                          ("worker-cpu", "kvtier"), ("worker-gpu", "kvtier")])
 def test_images_own_the_folders_that_named_volumes_are_mounted_on(image, volume):
     svc = services()
     targets = {v.split(":")[1] for n, s in svc.items()

