@@ -468,3 +468,19 @@ def test_shards_whose_clocks_differ_by_hours_hold_a_lease_by_its_time_left_and_r
             time.sleep(0.05)
         print(f"clocks {clocks}; both leases reaped on every shard {time.monotonic() - stopped:.1f} s "
               f"after their last keep-alive (TTL {ttl} s)")
+
+
+def test_a_port_taken_between_its_pick_and_the_bind_is_picked_again():
+    """Another process may take a picked port before the server binds it (a CI run
+    once failed so): the node picks another, as a restart keeps the one it bound."""
+    c = EmbeddedCluster(1, 1, flavor=FLAVORS[0])
+    taken = c.nodes[1].port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with c:
+            assert c.nodes[1].port != taken and len(c.replicas()) == 1
+            c.kill(1)
+            port = c.nodes[1].port
+            c.start_node(1)
+            assert c.nodes[1].port == port

@@ -133,6 +133,10 @@ def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> None:
             proc.kill()
             proc.wait()
 
+class PortTaken(RuntimeError):
+    """The server could not bind its TCP port: another process holds it."""
+
+
 class EmbeddedRedis:
     """A Redis server in a temporary directory, listening on a unix socket (and, if
     ``port`` is given, on 127.0.0.1:port), stopped on ``stop()`` or context exit.
@@ -154,6 +158,10 @@ class EmbeddedRedis:
         self.env: dict[str, str] = {}
         self.binary = find_server(flavor)
         self.port = free_port() if port == 0 else port
+        #: Picks another port when the one picked is taken before the server binds it
+        #: (another process may take a port between ``free_port()`` and the bind); only
+        #: for a port this class picked, and only before the first start succeeds.
+        self.repick_port = free_port if port == 0 else None
         self.aof = aof
         self.fsync = fsync
         self.secure = secure
@@ -205,6 +213,19 @@ class EmbeddedRedis:
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
         """Starts the server (again, after ``kill()``: from the same directory, so from its
         AOF, on the same socket and port)."""
+        for attempt in range(5):
+            try:
+                self._start(timeout)
+            except PortTaken:
+                if self.repick_port is None or attempt == 4:
+                    raise
+                self.port = self.repick_port()
+                continue
+            self.repick_port = None       # (a restart keeps its port)
+            return self
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> None:
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="kvs-redis-")
         args = [self.binary]
@@ -229,9 +250,15 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"{self.binary} exited with {self.proc.returncode}: {err}{self.log_tail()}")
+                if self.proc.stderr:
+                    self.proc.stderr.close()
+                code, self.proc, log = self.proc.returncode, None, self.log_tail()
+                if "Address already in use" in err + log:
+                    Path(self._dir.name, "redis.log").unlink(missing_ok=True)   # (the next try logs afresh)
+                    raise PortTaken(f"{self.binary} could not bind 127.0.0.1:{self.port}: {err}{log}")
+                raise RuntimeError(f"{self.binary} exited with {code}: {err}{log}")
             if os.path.exists(self.socket_path) and _pings(self.socket_path, self._auth()):
-                return self
+                return
             time.sleep(0.01)
         self.stop()
         raise TimeoutError(f"{self.binary} did not answer within {timeout}s")
@@ -342,6 +369,7 @@ class EmbeddedCluster:
                 "cluster-enabled yes", "cluster-config-file nodes.conf", f"cluster-node-timeout {node_timeout_ms}",
                 "cluster-require-full-coverage no", "cluster-replica-validity-factor 0",
                 *((f"masteruser {ADMIN_USER}", f"masterauth {passwords[ADMIN_USER]}") if secure else ())))
+            node.repick_port = free_cluster_port
             if secure:
                 node._passwords = dict(passwords)     # one set of users on every node
             self.nodes.append(node)
