@@ -121,6 +121,10 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         #: for ``take_tier_orders``; off (an SDK user with no worker to run them): dropped,
         #: and the entries they named are taken back unconfirmed.
         self.collect_tier_orders = False
+        #: With ``collect_tier_orders``: the creates of this client's steps may fetch a
+        #: prefix that another pool caches from that pool's worker (DESIGN §13): fetch
+        #: orders (TierOrder.source_pool_id) come with the tier orders, for ``FetchBlocks``.
+        self.collect_fetches = False
         self._tier_orders: list[pb.TierOrder] = []
         self._lock = threading.RLock()
         self._sync_lock = threading.Lock()
@@ -297,6 +301,7 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         for tokens, pool, extra in creates:
             request.creates.add(token_ids=tokens, pool_id=pool, extra_key=extra)
         request.tier_loads = bool(creates) and self.collect_tier_orders
+        request.fetches = request.tier_loads and self.collect_fetches
         # Sequences with blocks to commit ride along for free.
         for s in riders:
             order.append(s)
@@ -452,11 +457,13 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
             out, self._tier_orders = self._tier_orders, []
         return out
 
-    def settle_tiers(self, pool_id: str, epoch: int, settled: list[pb.TierSettlement]) -> int:
-        """Passes on the worker's word on a pool's lower-tier orders (``SettleTiers``);
-        returns how many entries were settled."""
-        reply = self._call(self.stub.SettleTiers, pb.SettleTiersRequest(pool_id=pool_id, epoch=epoch,
-                                                                         settled=settled), idempotent=True)
+    def settle_tiers(self, pool_id: str, epoch: int, settled: list[pb.TierSettlement],
+                     release_pins: list[str] = ()) -> int:
+        """Passes on the worker's word on a pool's lower-tier orders, and releases the read
+        pins of its fetches that ran (``SettleTiers``); returns how many entries were
+        settled."""
+        reply = self._call(self.stub.SettleTiers, pb.SettleTiersRequest(
+            pool_id=pool_id, epoch=epoch, settled=settled, release_pins=release_pins), idempotent=True)
         return reply.num_settled
 
     def pools(self) -> list[pb.Pool]:

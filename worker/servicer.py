@@ -143,7 +143,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                              f"0..{self.pool.shape.num_blocks - 1}")
         if self.sources is None:
             raise errors.FailedPrecondition("this worker fetches from no other worker (it has no allocator)")
-        address = await self.sources.locate(request.source_pool_id, request.source_epoch)
+        try:
+            address = await self.sources.locate(request.source_pool_id, request.source_epoch)
+        except errors.KvsError as exc:       # (no such pool, another epoch: every block fails)
+            self.sources.count(0, n, 0)
+            why = f"{type(exc).__name__}: {exc}"
+            return pb.FetchBlocksResponse(results=[pb.MoveResult(ok=False, error=why)] * n)
         pull = pb.PullBlocksRequest(pool_id=request.source_pool_id, epoch=request.source_epoch, chunk_bytes=chunk,
                                     blocks=[pb.BlockRef(tier=f.src_tier, index=f.src, block_hash=f.block_hash)
                                             for f in request.fetches])

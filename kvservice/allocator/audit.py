@@ -4,7 +4,10 @@
   a referenced block held only by staged records (runs under way, ``runs.py``) is
   *staged*, the fifth state (reported per lease), each staged record has its run and the
   pool's admitted blocks are its runs' sum;
-- ref(b) equals the number of block tables that hold b;
+- ref(b) equals the number of block tables that hold b plus the read pins on it (fetches
+  by other pools' workers, ``scripts/lib/pins.lua``); each pin's counts agree with the pin
+  records, and no pin outlives its deadline by more than ``PIN_GRACE_MS`` (one a fetch
+  never settled is released by the reaper at its deadline);
 - the hash -> block and block -> hash maps agree, and only cached blocks have hashes
   (evictable blocks always do, free blocks never);
 - the counts reported by the stats equal the sets they count;
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +38,13 @@ if TYPE_CHECKING:
 
 #: Pools audited at once (each pool's snapshot is read in many small round trips).
 AUDIT_CONCURRENCY = 8
+#: How long past its deadline a read pin may still be recorded (ms): the reaper sweeps a
+#: pool when its earliest pin deadline passes, give or take a tick and a shard's clock.
+PIN_GRACE_MS = 30_000
 
 
-def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None = None) -> list[str]:
+def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None = None,
+               now_ms: int | None = None) -> list[str]:
     """Returns the list of broken invariants (empty when the pool is consistent).
 
     Args:
@@ -44,6 +52,8 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
         snap: ``Store.snapshot(pool_id)``.
         counts: ``Store.pool_counts(pool_id)`` taken at the same moment, to check the
             reported counters against the sets (optional).
+        now_ms: the time (ms, the pool's shard's clock) against which pin deadlines are
+            checked; None: not checked.
     """
     problems: list[str] = []
 
@@ -122,12 +132,16 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
             bad(f"sequence {n}: {c} committed blocks but only {t // bs} full")
         if len(set(table)) != len(table):
             bad(f"sequence {n}: a block appears twice in its table")
+    pinned = _audit_pins(snap, num_blocks, now_ms, bad)
     for b, r in snap["ref"].items():
-        if r != holders.get(b, 0):
-            bad(f"block {b}: ref {r} but held by {holders.get(b, 0)} block tables")
+        if r != holders.get(b, 0) + pinned.get(b, 0):
+            bad(f"block {b}: ref {r} but held by {holders.get(b, 0)} block tables and {pinned.get(b, 0)} pins")
     for b, n in holders.items():
         if b not in snap["ref"]:
             bad(f"block {b}: ref 0 but held by {n} block tables")
+    for b, n in pinned.items():
+        if b not in snap["ref"]:
+            bad(f"block {b}: ref 0 but held by {n} pins")
     for b, r in snap["ref"].items():
         if r <= 0:
             bad(f"block {b} has ref {r} in the ref map")
@@ -180,6 +194,28 @@ def audit_pool(pool_id: str, snap: dict[str, Any], counts: dict[str, Any] | None
 
 
 _STATES = {"s": "staged", "f": "being freed"}
+
+
+def _audit_pins(snap: dict[str, Any], num_blocks: int, now_ms: int | None, bad: Any) -> Counter[int]:
+    """The read pins' records against their counts and deadlines; returns the pins per
+    device block."""
+    pins = snap.get("pins", {})
+    items: Counter[str] = Counter()
+    for pin_id, (deadline, held) in pins.items():
+        items.update(f"{kind}:{index}" for kind, index in held)
+        if now_ms is not None and deadline < now_ms - PIN_GRACE_MS:
+            bad(f"pin {pin_id} is {(now_ms - deadline) / 1000:.0f} s past its deadline and still held")
+        for kind, index in held:
+            if kind == "b" and not 0 <= index < num_blocks:
+                bad(f"pin {pin_id} holds block {index}, outside 0..{num_blocks - 1}")
+    counts = snap.get("pin_counts", {})
+    for field in sorted(set(items) | set(counts)):
+        if items.get(field, 0) != counts.get(field, 0):
+            bad(f"pin count {field} is {counts.get(field, 0)} but {items.get(field, 0)} pins hold it")
+    deadlines = [d for d, _ in pins.values()]
+    if deadlines and (snap.get("pin_next") is None or snap["pin_next"] > min(deadlines)):
+        bad(f"the earliest pin deadline is recorded as {snap.get('pin_next')}, but a pin ends at {min(deadlines)}")
+    return Counter({int(f[2:]): n for f, n in items.items() if f.startswith("b:")})
 
 
 def staged_blocks(snap: dict[str, Any]) -> set[int]:
@@ -284,7 +320,7 @@ async def run_audit(allocator: Allocator, pool_id: str = "", *,
                 return None
             # (the check is Python over the whole snapshot: in a thread, so that the
             # replica's event loop goes on serving meanwhile)
-            found = await asyncio.to_thread(audit_pool, p, snap, snap["counts"])
+            found = await asyncio.to_thread(audit_pool, p, snap, snap["counts"], int(time.time() * 1000))
             found += await asyncio.to_thread(audit_tiers, p, snap["meta"], await allocator.store.tier_snapshot(p))
             return found, lease_holdings(p, snap) if holdings is not None else [], \
                 allocator.pool_info(p, snap["counts"])

@@ -53,6 +53,10 @@ class Settings(EnvSettings):
     #: Seconds without a heartbeat from a pool's worker after which placement puts the
     #: pool after every other (workers heartbeat every 2 s by default).
     placement_silence: float = 6.0
+    #: How long a read pin holds another pool's blocks for a create's fetch (seconds,
+    #: DESIGN §13): the fetch runs before the create's first forward and its client
+    #: releases the pin then; one never released (its client died) ends at this deadline.
+    fetch_pin_ttl: float = 30.0
     #: "tenant": each tenant's prompts hash with its own salt; "global": one cache for all.
     prefix_cache_scope: str = "tenant"
     #: Tenants that share one prefix cache: ``group=tenant,tenant;group2=...`` (each tenant
@@ -140,8 +144,8 @@ class Settings(EnvSettings):
         for name in ("quota_blocks", "quota_sequences", "quota_leases"):
             check_in_range(name, getattr(self, name), 0, 2**31 - 1)
         tenant_quotas(self.quotas)
-        check_positive(self, "reap_interval", "reap_recheck", "request_ttl", "placement_silence", "min_lease_ttl",
-                       "max_lease_ttl", "lease_tombstone", "metrics_exporter_ttl", "redis_pool_timeout")
+        check_positive(self, "reap_interval", "reap_recheck", "request_ttl", "placement_silence", "fetch_pin_ttl",
+                       "min_lease_ttl", "max_lease_ttl", "lease_tombstone", "metrics_exporter_ttl", "redis_pool_timeout")
         check_in_range("redis_max_connections", self.redis_max_connections, 1, 10_000)
         check_in_range("redis_wait_replicas", self.redis_wait_replicas, 0, 16)
         check_in_range("redis_wait_timeout_ms", self.redis_wait_timeout_ms, 1, 60_000)

@@ -63,6 +63,8 @@ class Create:
     extra_key: bytes = b""
     #: the caller runs the step's lower-tier loads (StepRequest.tier_loads)
     tier_loads: bool = False
+    #: the caller runs fetches from other pools' workers (StepRequest.fetches)
+    fetches: bool = False
 
 
 @dataclass(slots=True)
@@ -109,8 +111,9 @@ class StepOutcome:
     failed_pools: list[str] = field(default_factory=list)
     #: the generation of each pool whose part was applied
     generations: dict[str, int] = field(default_factory=dict)
-    #: lower-tier orders (pool, epoch, src_tier, src, dst_tier, dst, block hash): TierOrder
-    tier_orders: list[tuple[str, int, int, int, int, int, bytes]] = field(default_factory=list)
+    #: lower-tier orders (pool, epoch, src_tier, src, dst_tier, dst, block hash): TierOrder;
+    #: a fetch adds (source pool, source epoch, pin id)
+    tier_orders: list[tuple] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,11 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 - ``held``   hash: what each tenant holds here, for its quotas (``scripts/lib/held.lua``):
   ``L:<lease>`` -> ``"<tenant> <blocks> <sequences>"``, ``T:<tenant>`` -> ``"<blocks>
   <sequences> <leases>"``
+- ``pins``   hash: read pins of the blocks and entries another pool's worker is fetching
+  (DESIGN §13, ``scripts/lib/pins.lua``): ``p:<pin id>`` -> ``"<deadline ms> <kind>:<index>
+  ..."`` (kind ``b`` a device block, ``h`` / ``d`` a host / disk entry), ``b:<block>`` /
+  ``h:<entry>`` / ``d:<entry>`` -> how many live pins hold it (a pinned device block holds
+  one reference per pin in ``ref``), ``next`` -> the earliest pin deadline (ms)
 
 - per lower tier (``host:`` and ``disk:``, DESIGN §12, ``scripts/lib/tiers.lua``):
   ``state`` hash (``fresh``: entries at or above it were never used; ``clock``: the LRU
@@ -68,13 +73,13 @@ POOL_COUNTER = f"{PREFIX}:pools:next"
 #: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
-                  "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal", "held",
+                  "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal", "held", "pins",
                   *(f"{tier}:{name}" for tier in ("host", "disk")
                     for name in ("state", "free", "h2e", "e2h", "lru", "pend")))
 
 
 def pool_keys(pool_id: str) -> list[str]:
-    """The 28 keys of one pool, in script KEYS order."""
+    """The 29 keys of one pool, in script KEYS order."""
     return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
 
 

@@ -61,8 +61,13 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
                           tier_orders=[tier_order_to_pb(o) for o in g.tier_orders])
 
 
-def tier_order_to_pb(o: tuple[str, int, int, int, int, int, bytes]) -> pb.TierOrder:
-    return pb.TierOrder(pool_id=o[0], epoch=o[1], src_tier=o[2], src=o[3], dst_tier=o[4], dst=o[5], block_hash=o[6])
+def tier_order_to_pb(o: tuple) -> pb.TierOrder:
+    """(pool, epoch, src_tier, src, dst_tier, dst, block hash[, source pool, source epoch,
+    pin id]) as a TierOrder (a fetch with the last three)."""
+    out = pb.TierOrder(pool_id=o[0], epoch=o[1], src_tier=o[2], src=o[3], dst_tier=o[4], dst=o[5], block_hash=o[6])
+    if len(o) > 7:
+        out.source_pool_id, out.source_epoch, out.pin_id = o[7], o[8], o[9]
+    return out
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
@@ -105,9 +110,9 @@ def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
     return out
 
 
-def create_from_pb(c: Any, tier_loads: bool = False) -> Create:
+def create_from_pb(c: Any, tier_loads: bool = False, fetches: bool = False) -> Create:
     # The repeated field goes as it is: it is read once, into bytes, by the allocator.
-    return Create(c.token_ids, c.pool_id, c.extra_key, tier_loads)
+    return Create(c.token_ids, c.pool_id, c.extra_key, tier_loads, fetches)
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
@@ -182,7 +187,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         # SeqUpdate messages carry the fields of model.Update under the same names: they
         # go to the allocator as they are (no copy on the decode hot path).
         out = await self.a.step(request.lease_id, request.updates,
-                                [create_from_pb(c, request.tier_loads) for c in request.creates], request.request_id,
+                                [create_from_pb(c, request.tier_loads, request.fetches) for c in request.creates], request.request_id,
                                 request.generations)
         reply = outcome_to_pb(out)
         if synced is not None:
@@ -224,9 +229,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def SettleTiers(self, request: pb.SettleTiersRequest, context: Any) -> pb.SettleTiersResponse:
         Access.pool(request.pool_id, "SettleTiers")
-        n = await self.a.settle_tiers(request.pool_id, request.epoch,
-                                      [(s.tier, s.entry, s.block_hash, s.ok) for s in request.settled])
-        return pb.SettleTiersResponse(num_settled=n)
+        n, released = await self.a.settle_tiers(request.pool_id, request.epoch,
+                                                [(s.tier, s.entry, s.block_hash, s.ok) for s in request.settled],
+                                                list(request.release_pins))
+        return pb.SettleTiersResponse(num_settled=n, num_released=released)
 
     async def Audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:
         holdings: list[LeaseHoldings] = []

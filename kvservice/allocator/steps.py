@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import secrets
 from collections import defaultdict
 from typing import Any, Mapping
 
@@ -16,7 +17,7 @@ from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, c
                                         epoch_error, fingerprint, seq_state)
 from kvservice.allocator.codec import STALE_EPOCH, TOO_BIG, ScriptError
 from kvservice.allocator.generations import KNOWN_GENERATIONS, known_generation
-from kvservice.allocator.runs import RunOps
+from kvservice.allocator.runs import Probe, RunOps
 from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id, tier_orders_of)
 from kvservice.common import hashing
@@ -27,6 +28,10 @@ from kvservice.common.geometry import Geometry
 #: cached on the device (docs/allocator.md, "Placement"): a load is a copy of the block's
 #: bytes, far cheaper than the forward that recomputes it, dearer than sharing it.
 TIER_CREDIT = {"host": 0.9, "disk": 0.75}
+#: Placement's credit for a prompt block that another pool holds (device or lower tier),
+#: for a client that runs fetches: a copy from that pool's worker over the network.
+FETCH_CREDIT = 0.6
+
 #: Pools read at once by one call (ListPools, the placement of a create without pool id).
 FAN_OUT = 64
 
@@ -106,6 +111,7 @@ class StepOps(RunOps):
             raise errors.InvalidArgument(f"the step forks {children} children, at most {s.max_forks_per_call} per call")
         tenant = ""
         packed = [check_create(c, s.max_sequence_tokens) for c in creates]
+        scans: dict[tuple, Probe] = {}     # (the step's prefix probes, placement's and the fetches')
         # The request's identity for retries: every field of every item.
         digest = ""
         if request_id:
@@ -122,7 +128,7 @@ class StepOps(RunOps):
             if not candidates:
                 raise errors.FailedPrecondition("no pool is registered")
             tenant, lease_left = await self._attach(lease_id, candidates)
-            placed = [c.pool_id or await self._place(c, packed[i], tenant) for i, c in enumerate(creates)]
+            placed = [c.pool_id or await self._place(c, packed[i], tenant, scans) for i, c in enumerate(creates)]
             if anywhere and request_id:
                 # A retry must land where the first attempt did (and find its outcome there).
                 placed = await self.store.place(lease_id, request_id, digest, placed, self._request_ttl_ms())
@@ -140,6 +146,17 @@ class StepOps(RunOps):
         for pool_id in pools:
             await self.geometry(pool_id)
         big = {p for p in pools if self._too_big(p, by_pool[p])}
+        pins = await self._pin_fetches(by_pool, big, tenant, scans) if any(c.fetches for c in creates) else []
+        try:
+            return await self._run_step(by_pool, pools, big, outcome, creates, lease_id, tenant, lease_left,
+                                        request_id, digest)
+        finally:
+            if pins:
+                await self._release_unused(pins, outcome)
+
+    async def _run_step(self, by_pool: dict[str, dict[str, list]], pools: list[str], big: set[str],
+                        outcome: StepOutcome, creates: list[Create], lease_id: str, tenant: str, lease_left: int,
+                        request_id: str, digest: str) -> StepOutcome:
         payloads = [await self._pool_payload(p, by_pool[p], lease_id, tenant, lease_left, request_id, digest)
                     for p in pools if p not in big]
         replies = iter(await self.store.step(payloads) if payloads else [])
@@ -247,12 +264,15 @@ class StepOps(RunOps):
         creates = []
         items["hashes"] = []
         bs = geo.block_size
-        for _, c, data in items["creates"]:
+        fetch = items.get("fetch", {})
+        for j, (_, c, data) in enumerate(items["creates"]):
             root = hashing.root_hash(self._salt(tenant), c.extra_key)
             n = len(data) // 4
             hs = hashing.chain_hashes(root, data, bs, n // bs)
             creates.append({"epoch": epoch, "num_tokens": n, "root_hash": root.hex(),
                             "block_hashes": [h.hex() for h in hs], "tier_loads": c.tier_loads})
+            if j in fetch:
+                creates[-1]["fetch"] = {"from": fetch[j][0], "n": len(fetch[j][1])}
             items["hashes"].append(hs)
         return creates
 
@@ -277,42 +297,120 @@ class StepOps(RunOps):
         return self._step_payload(pool_id, [payload for _, _, payload in items["updates"]], creates, lease_id,
                                   tenant, lease_left, request_id, digest)
 
-    async def _place(self, c: Create, data: bytes, tenant: str) -> str:
+    async def _scan(self, c: Create, data: bytes, tenant: str, pool_id: str, scans: dict[tuple, Probe],
+                    tiers: bool) -> tuple[int, Geometry, list[str], Probe] | None:
+        """A pool's epoch, geometry, the create's chain of hashes there (the blocks a hit
+        may cover) and its prefix probe (``scans`` keeps a step's probes: placement's and
+        the fetches'); None for a pool gone."""
+        try:
+            epoch, geo = await self.geometry(pool_id)
+        except errors.NotFound:
+            return None
+        root = hashing.root_hash(self._salt(tenant), c.extra_key)
+        max_hit = (len(data) // 4 - 1) // geo.block_size
+        hs = [h.hex() for h in hashing.chain_hashes(root, data, geo.block_size, max_hit)]
+        key = (pool_id, epoch, hs[-1] if hs else root.hex(), len(hs), tiers)
+        probe = scans.get(key)
+        if probe is None:
+            probe = scans[key] = await self._probe_prefix(pool_id, epoch, hs, tiers=tiers)
+        return epoch, geo, hs, probe
+
+    async def _scan_all(self, c: Create, data: bytes, tenant: str, scans: dict[tuple, Probe], tiers: bool,
+                        pools: list[str] | None = None) -> dict[str, tuple[int, Geometry, list[str], Probe]]:
+        """``_scan`` of every registered pool (this replica's recent list; the registry if
+        that has none), ``FAN_OUT`` at once."""
+        out: dict[str, tuple[int, Geometry, list[str], Probe]] = {}
+        for cached in (True, False):
+            listed = pools if pools is not None else await self.store.pool_ids(cached=cached)
+            for i in range(0, len(listed), FAN_OUT):
+                part = listed[i:i + FAN_OUT]
+                got = await asyncio.gather(*(self._scan(c, data, tenant, p, scans, tiers) for p in part))
+                out.update((p, x) for p, x in zip(part, got) if x is not None)
+            if out or pools is not None:
+                break
+        return out
+
+    async def _place(self, c: Create, data: bytes, tenant: str, scans: dict[tuple, Probe]) -> str:
         """The pool where ``c`` costs least (docs/allocator.md, "Placement"): the prompt
         tokens it would compute there (those its cached prefix does not cover; for a
         client that runs loads, a block ready in a lower tier covers ``TIER_CREDIT`` of
-        its tokens) plus a block's worth of tokens per sequence the pool already serves
-        (each one a token of every step's work); then the most free + evictable blocks,
-        the smallest id. A pool whose worker has not heartbeated for
-        ``placement_silence`` seconds comes after every other (its worker has likely
-        stopped: its sequences would fail)."""
-        root = hashing.root_hash(self._salt(tenant), c.extra_key)
+        its tokens; for a client that runs fetches, a block that another pool of the same
+        geometry holds past this one's prefix covers ``FETCH_CREDIT``) plus a block's worth
+        of tokens per sequence the pool already serves (each one a token of every step's
+        work); then the most free + evictable blocks, the smallest id. A pool whose worker
+        has not heartbeated for ``placement_silence`` seconds comes after every other (its
+        worker has likely stopped: its sequences would fail)."""
         num_tokens = len(data) // 4
         silence_ms = self.settings.placement_silence * 1000
-
-        async def score(pool_id: str) -> tuple[bool, float, int, str] | None:
-            try:
-                epoch, geo = await self.geometry(pool_id)
-            except errors.NotFound:
-                return None
-            max_hit = (num_tokens - 1) // geo.block_size
-            hs = [h.hex() for h in hashing.chain_hashes(root, data, geo.block_size, max_hit)]
-            probe = await self._probe_prefix(pool_id, epoch, hs, tiers=c.tier_loads)
-            cached = (probe.chain - probe.host - probe.disk + TIER_CREDIT["host"] * probe.host
-                      + TIER_CREDIT["disk"] * probe.disk)
-            cost = num_tokens - cached * geo.block_size + probe.sequences * geo.block_size
-            return probe.silent_ms > silence_ms, cost, -probe.available, pool_id
-
-        scored: list[tuple[bool, float, int, str]] = []
-        for cached in (True, False):     # this replica's recent list; the registry if that has none
-            pools = await self.store.pool_ids(cached=cached)
-            for i in range(0, len(pools), FAN_OUT):
-                scored += [x for x in await asyncio.gather(*(score(p) for p in pools[i:i + FAN_OUT])) if x is not None]
-            if scored:
-                break
-        if not scored:
+        found = await self._scan_all(c, data, tenant, scans, c.tier_loads or c.fetches)
+        if not found:
             raise errors.FailedPrecondition("no pool is registered")
+        scored: list[tuple[bool, float, int, str]] = []
+        for pool_id, (_, geo, _, probe) in found.items():
+            if c.tier_loads:
+                cached = (probe.chain - probe.host - probe.disk + TIER_CREDIT["host"] * probe.host
+                          + TIER_CREDIT["disk"] * probe.disk)
+            else:
+                cached = probe.hits
+            if c.fetches:
+                elsewhere = max((x[3].chain for p, x in found.items() if p != pool_id and _same_kv(x[1], geo)),
+                                default=0)
+                cached += FETCH_CREDIT * max(0, elsewhere - (probe.chain if c.tier_loads else probe.hits))
+            cost = num_tokens - cached * geo.block_size + probe.sequences * geo.block_size
+            scored.append((probe.silent_ms > silence_ms, cost, -probe.available, pool_id))
         return min(scored)[3]
+
+    async def _pin_fetches(self, by_pool: dict[str, dict[str, list]], skip: set[str], tenant: str,
+                           scans: dict[tuple, Probe]) -> list[tuple[str, int, str]]:
+        """For each create of a client that runs fetches (DESIGN §13): the pool of the same
+        geometry whose chain (device, or a ready lower-tier entry) goes furthest past the
+        create's own pool's prefix, when one does; those blocks are pinned there for the
+        fetch (``scripts/pin.lua``) and the create's payload names them
+        (``items["fetch"][j]``: first position, [[tier, block or entry]], hashes, source
+        pool, its epoch, pin id). Returns the pins taken: (pool, epoch, pin id)."""
+        taken: list[tuple[str, int, str]] = []
+        for pool_id, items in by_pool.items():
+            if pool_id in skip:
+                continue
+            for j, (_, c, data) in enumerate(items["creates"]):
+                if not c.fetches:
+                    continue
+                own = await self._scan(c, data, tenant, pool_id, scans, True)
+                if own is None:
+                    continue
+                _, geo, hs, probe = own
+                start = probe.chain if c.tier_loads else probe.hits
+                if start >= len(hs):
+                    continue
+                others = [p for p in await self.store.pool_ids(cached=True) if p != pool_id]
+                found = await self._scan_all(c, data, tenant, scans, True, others)
+                best = max(((x[3].chain, p) for p, x in found.items() if _same_kv(x[1], geo)), default=(0, ""))
+                if best[0] <= start:
+                    continue
+                source = best[1]
+                epoch = found[source][0]
+                wanted = hs[start:min(best[0], start + self.settings.max_blocks_per_call)]
+                pin_id, ttl_ms = secrets.token_hex(16), int(self.settings.fetch_pin_ttl * 1000)
+                try:
+                    pinned = await self.store.pin(source, epoch, pin_id, ttl_ms, wanted)
+                except (errors.KvsError, ScriptError):
+                    continue       # (the source re-registered or is gone: the create recomputes)
+                if pinned:
+                    self.reap_schedule.expect([source], ttl_ms)     # (swept by its deadline, if never released)
+                    items.setdefault("fetch", {})[j] = (start + 1, pinned, wanted, source, epoch, pin_id)
+                    taken.append((source, epoch, pin_id))
+        return taken
+
+    async def _release_unused(self, pins: list[tuple[str, int, str]], outcome: StepOutcome) -> None:
+        """Releases the pins that no fetch order of the outcome names (the create found its
+        prefix in its own pool after all, or the step failed there)."""
+        used = {o[9] for o in outcome.tier_orders if len(o) > 7}
+        for source, epoch, pin_id in pins:
+            if pin_id not in used:
+                try:
+                    await self.store.tier_settle(source, epoch, [], [pin_id])
+                except (errors.KvsError, ScriptError):
+                    pass           # (released at its deadline then)
 
     def _collect_applied(self, pool_id: str, items: dict[str, list], applied: dict[int, dict[str, Any]],
                          outcome: StepOutcome) -> None:
@@ -339,6 +437,15 @@ class StepOps(RunOps):
             outcome.created[i] = state
         outcome.copies.extend((pool_id, src, dst) for src, dst in reply["copies"])
         outcome.tier_orders.extend(tier_orders_of(pool_id, epoch, reply))
+        fetch = items.get("fetch", {})
+        for ci, position, block in reply.get("fetches") or ():
+            # (src -1: no pin of this attempt holds the block, as for the replayed reply of
+            # a retried step: its client recomputes it)
+            h = items["hashes"][ci - 1][position - 1]
+            first, pinned, _, source, source_epoch, pin_id = fetch.get(ci - 1, (0, [], [], pool_id, epoch, ""))
+            k = position - first
+            tier, src = pinned[k] if 0 <= k < len(pinned) else (0, -1)
+            outcome.tier_orders.append((pool_id, epoch, tier, src, 0, block, h, source, source_epoch, pin_id))
         outcome.generations[pool_id] = int(reply["generation"])
 
     def _salt(self, tenant: str) -> str:
@@ -352,6 +459,13 @@ class StepOps(RunOps):
         if self._secret is None:
             return scope
         return "hmac:" + hmac.new(self._secret, scope.encode(), hashlib.sha256).hexdigest()
+
+
+def _same_kv(a: Geometry, b: Geometry) -> bool:
+    """Whether two pools' blocks hold the same KV layout (a block of one can fill one of
+    the other): all but the number of blocks."""
+    return (a.block_size, a.num_layers, a.num_kv_heads, a.head_dim, a.dtype) == \
+        (b.block_size, b.num_layers, b.num_kv_heads, b.head_dim, b.dtype)
 
 
 def _tag_fits(tag: str, lease_id: str, pool_id: str, epoch: int, n: int) -> bool:

@@ -119,7 +119,7 @@ POOL_LIST_WAIT = 0.25
 
 #: The scripts that hand out or free blocks: with ``Store.wait_replicas``, each is
 #: acknowledged only once that many replicas of its shard have its writes (``WAIT``).
-DURABLE_SCRIPTS = frozenset({"step", "sync", "resync", "reap", "stage"})
+DURABLE_SCRIPTS = frozenset({"step", "sync", "resync", "reap", "stage", "pin"})
 
 
 class Store:
@@ -341,10 +341,19 @@ class Store:
                                 {"pool": pool_id, "epoch": epoch, "dead_since_ms": dead_since_ms,
                                  "max_dead": max_dead})
 
-    async def tier_settle(self, pool_id: str, epoch: int, settled: list[list[Any]]) -> dict[str, Any]:
-        """The worker's word on lower-tier orders of one pool (``tier_settle.lua``)."""
+    async def tier_settle(self, pool_id: str, epoch: int, settled: list[list[Any]],
+                          release: list[str] = ()) -> dict[str, Any]:
+        """The worker's word on lower-tier orders of one pool, and the read pins of its
+        fetches that ran (``tier_settle.lua``)."""
         return await self._call("tier_settle", keys.pool_keys(pool_id),
-                                {"pool": pool_id, "epoch": epoch, "settled": settled})
+                                {"pool": pool_id, "epoch": epoch, "settled": settled, "release": list(release)})
+
+    async def pin(self, pool_id: str, epoch: int, pin_id: str, ttl_ms: int, hashes: list[str]) -> list[list[int]]:
+        """Pins the leading blocks of a chain that the pool holds ready for a fetch
+        (``pin.lua``); returns [tier code, block or entry] per block pinned."""
+        reply = await self._call("pin", keys.pool_keys(pool_id), {"pool": pool_id, "epoch": epoch, "pin_id": pin_id,
+                                                                   "ttl_ms": ttl_ms, "block_hashes": hashes})
+        return [list(x) for x in reply["pinned"]]
 
     async def tier_snapshot(self, pool_id: str) -> dict[str, dict[str, Any]]:
         """The lower tiers' keys of one pool, read in one transaction (for the audit):
@@ -608,11 +617,12 @@ class Store:
                 return sum(await pipe.execute())
 
         async def whole() -> list[Any]:
-            """The pool in one transaction: its 15 keys, then its counts."""
+            """The pool in one transaction: its 16 keys, then its counts."""
             async with r.pipeline(transaction=True) as pipe:
                 for name, how in (("meta", "h"), ("state", "h"), ("free", "l"), ("evict", "z"), ("ref", "h"),
                                   ("h2b", "h"), ("b2h", "h"), ("seqs", "h"), ("leases", "z"), ("lseq", "z"),
-                                  ("stats", "h"), ("tabs", "h"), ("reserve", "h"), ("journal", "h"), ("held", "h")):
+                                  ("stats", "h"), ("tabs", "h"), ("reserve", "h"), ("journal", "h"), ("held", "h"),
+                                  ("pins", "h")):
                     if how == "h":
                         pipe.hgetall(k[name])
                     elif how == "l":
@@ -634,14 +644,14 @@ class Store:
             free, evict = await list_of(k["free"]), await zset_of(k["evict"])
             ref, h2b, b2h, seqs = [await hash_of(k[n]) for n in ("ref", "h2b", "b2h", "seqs")]
             leases, lseq = await zset_of(k["leases"]), [m for m, _ in await zset_of(k["lseq"])]
-            stats, tabs, reserve, journal, held = [await hash_of(k[n]) for n in ("stats", "tabs", "reserve",
-                                                                                "journal", "held")]
+            stats, tabs, reserve, journal, held, pins = [await hash_of(k[n]) for n in (
+                "stats", "tabs", "reserve", "journal", "held", "pins")]
             async with r.pipeline(transaction=True) as pipe:
                 self._queue_counts(pipe, pool_id)
                 counts = await pipe.execute()
             if await stamp() == before:
                 read = [meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal,
-                        held, *counts]
+                        held, pins, *counts]
                 break
         else:
             if read is None:
@@ -652,19 +662,19 @@ class Store:
                     raise errors.Unavailable(f"pool {pool_id} changed during each of {attempts} reads of its state "
                                              f"({entries} entries: read in pieces; retry when it is quieter)")
                 read = await whole()
-        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal, held = read[:15]
-        counts = read[15:]
+        meta, state, free, evict, ref, h2b, b2h, seqs, leases, lseq, stats, tabs, reserve, journal, held, pins = read[:16]
+        counts = read[16:]
         if not meta or b"num_blocks" not in meta:
             return None
         # (decoded in a thread: a large pool's entries would hold the event loop)
         return await asyncio.to_thread(_decoded_snapshot, meta, state, free, evict, ref, h2b, b2h, seqs, leases,
-                                       lseq, stats, tabs, reserve, journal, held, self._counts(counts))
+                                       lseq, stats, tabs, reserve, journal, held, pins, self._counts(counts))
 
 
 #: How a pool key's size is read (the audit's fallback for a small busy pool).
 POOL_KEY_SIZES = {"free": "llen", "evict": "zcard", "ref": "hlen", "h2b": "hlen", "b2h": "hlen", "seqs": "hlen",
                   "leases": "zcard", "lseq": "zcard", "tabs": "hlen", "reserve": "hlen", "journal": "hlen",
-                  "held": "hlen"}
+                  "held": "hlen", "pins": "hlen"}
 #: A pool this small (entries in all) is read in one transaction when it is too busy to be read
 #: in pieces: a few ms of Redis.
 SMALL_POOL_ENTRIES = 20_000
@@ -674,7 +684,7 @@ ONE_READ_ENTRIES = 2_048
 
 def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2b: Any, b2h: Any, seqs: Any,
                       leases: Any, lseq: Any, stats: Any, tabs: Any, reserve: Any, journal: Any, held: Any,
-                      counts: Any) -> dict[str, Any]:
+                      pins: Any, counts: Any) -> dict[str, Any]:
     """``Store.snapshot``'s pieces, decoded (the leases in deadline order)."""
     def s(x: bytes) -> str:
         return x.decode()
@@ -704,6 +714,12 @@ def _decoded_snapshot(meta: Any, state: Any, free: Any, evict: Any, ref: Any, h2
         # "L:<lease>" -> (tenant, blocks, sequences); "T:<tenant>" -> (blocks, sequences, leases)
         "held": {s(a): tuple(x if i == 0 and s(a).startswith("L:") else int(x)
                              for i, x in enumerate(s(b).split())) for a, b in held.items()},
+        # read pins (scripts/lib/pins.lua): pin id -> (deadline ms, [(kind, index)]); the
+        # counts per "<kind>:<index>"; the earliest deadline
+        "pins": {s(a)[2:]: (int(s(b).split()[0]), [(x[0], int(x[2:])) for x in s(b).split()[1:]])
+                 for a, b in pins.items() if a.startswith(b"p:")},
+        "pin_counts": {s(a): int(b) for a, b in pins.items() if a[:2] in (b"b:", b"h:", b"d:")},
+        "pin_next": int(pins[b"next"]) if b"next" in pins else None,
         "counts": counts,
     }
 

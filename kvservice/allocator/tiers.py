@@ -4,16 +4,21 @@ their figures, and the settlement of the orders that workers ran. A mixin of
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvservice import errors
 from kvservice.allocator.checks import MAX_INT, check_pool_arg
+from kvservice.common.settings import echo
 from kvservice.allocator.store import Store
 
 #: The most entries a tier may have (block ids and entries are 24-bit, as a pool's blocks).
 MAX_TIER_BLOCKS = 1 << 24
 #: Settlements in one SettleTiers call at most.
 MAX_SETTLEMENTS = 65_536
+#: Pins released by one SettleTiers call at most, and the form of a pin id (steps.py).
+MAX_RELEASES = 1024
+PIN_ID = re.compile(r"[0-9a-f]{32}")
 #: Tier codes of the orders (TierOrder.src_tier / dst_tier) and their names.
 DEVICE, HOST, DISK = 0, 1, 2
 TIER_NAMES = {HOST: "host", DISK: "disk"}
@@ -89,11 +94,12 @@ class TierOps:
 
     store: Store
 
-    async def settle_tiers(self, pool_id: str, epoch: int,
-                           settled: list[tuple[int, int, bytes, bool]]) -> int:
+    async def settle_tiers(self, pool_id: str, epoch: int, settled: list[tuple[int, int, bytes, bool]],
+                           release_pins: list[str] = ()) -> tuple[int, int]:
         """Settles lower-tier entries of one pool (``tier_settle.lua``): a confirmed copy
-        makes its entry usable, a failed copy or load drops it. Returns how many entries
-        still held their hash."""
+        makes its entry usable, a failed copy or load drops it; releases the read pins of
+        fetches from the pool that ran. Returns how many entries still held their hash and
+        how many pins were released."""
         check_pool_arg(pool_id)
         if not 1 <= epoch <= MAX_INT:
             raise errors.InvalidArgument(f"epoch must be in 1..{MAX_INT}, got {epoch}")
@@ -108,7 +114,12 @@ class TierOps:
             if len(block_hash) != 16:
                 raise errors.InvalidArgument(f"settled[{i}].block_hash must be 16 bytes, got {len(block_hash)}")
             rows.append([tier, entry, block_hash.hex(), bool(ok)])
-        if not rows:
-            return 0
-        reply = await self.store.tier_settle(pool_id, epoch, rows)
-        return int(reply["settled"])
+        if len(release_pins) > MAX_RELEASES:
+            raise errors.InvalidArgument(f"at most {MAX_RELEASES} pins released per call, got {len(release_pins)}")
+        for i, pin in enumerate(release_pins):
+            if not PIN_ID.fullmatch(pin):
+                raise errors.InvalidArgument(f"release_pins[{i}] {echo(pin)} is not a pin id (32 hex digits)")
+        if not rows and not release_pins:
+            return 0, 0
+        reply = await self.store.tier_settle(pool_id, epoch, rows, list(release_pins))
+        return int(reply["settled"]), int(reply.get("released", 0))

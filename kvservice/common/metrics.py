@@ -115,6 +115,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _m("pool_generations_total", "counter", POOL, "exporter",
        "Generations the pool began in its life: one per registration, one each time the Redis serving it "
        "restarted or failed over (its state may have rolled back: every lease there resynchronises)."),
+    _m("pool_fetched_blocks_total", "counter", POOL, "exporter",
+       "Blocks of creates here filled from another pool's worker (a prefix cached there, fetched, not recomputed)."),
+    _m("pool_fetch_pins_total", "counter", POOL, "exporter",
+       "Read pins taken on this pool's blocks and tier entries for fetches by other pools' workers."),
+    _m("pool_fetch_pinned_blocks_total", "counter", POOL, "exporter",
+       "Blocks and tier entries of this pool pinned for fetches by other pools' workers."),
+    _m("pool_fetch_pins_expired_total", "counter", POOL, "exporter",
+       "Read pins released at their deadline rather than by their fetch's settlement (a fetch lost with its engine)."),
     # --- lower tiers (DESIGN §12), per pool and tier (host, disk), from Redis, exported by the exporter
     _m("pool_tier_capacity_blocks", "gauge", ("pool", "tier"), "exporter", "Entries (blocks) of the pool's tier."),
     _m("pool_tier_used_blocks", "gauge", ("pool", "tier"), "exporter",
@@ -199,6 +207,10 @@ POOL_COUNTERS = {
     "journal_resyncs": "pool_journal_resyncs_total",
     "sequences_lost": "pool_sequences_lost_total",
     "generations": "pool_generations_total",
+    "fetched_blocks": "pool_fetched_blocks_total",
+    "fetch_pins": "pool_fetch_pins_total",
+    "fetch_pinned_blocks": "pool_fetch_pinned_blocks_total",
+    "fetch_pins_expired": "pool_fetch_pins_expired_total",
 }
 POOL_GAUGES = {
     "num_blocks": "pool_capacity_blocks",

@@ -84,12 +84,15 @@ class Engine(Scheduler, ForwardPath, TierPath):
             step's ownership changes in one synchronous ``Step`` RPC.
         max_waiting: ``submit`` refuses a request (``EngineBusy``) while this many wait
             for KV blocks already (0: no bound).
+        fetch: a prompt's prefix cached in another pool is fetched from that pool's
+            worker (DESIGN §13) rather than recomputed; False: each pool's own cache only.
     """
 
     def __init__(self, allocator: str, *, tenant: str = "", max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, return_logits: bool = False,
                  progress: Callable[[Progress], None] | None = None, timeout: float = 60.0,
-                 local: bool = True, credentials: ClientCredentials | None = None, max_waiting: int = 0) -> None:
+                 local: bool = True, credentials: ClientCredentials | None = None, max_waiting: int = 0,
+                 fetch: bool = True) -> None:
         self.local = local
         self.credentials = credentials or ClientCredentials.from_env()
         if not tenant and not (self.credentials.token or self.credentials.cert):
@@ -97,6 +100,7 @@ class Engine(Scheduler, ForwardPath, TierPath):
         self.client = Client(allocator, tenant=tenant, lease_ttl=30.0, timeout=timeout, local=local,
                              credentials=self.credentials)
         self.client.collect_tier_orders = True     # (run by the workers: kvservice/engine/tiers.py)
+        self.client.collect_fetches = fetch
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.return_logits, self.progress, self.timeout = return_logits, progress, timeout
         self.max_waiting = max_waiting

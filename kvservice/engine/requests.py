@@ -153,6 +153,8 @@ class Report:
         loaded_blocks, load_failures, offloaded_blocks: blocks loaded from a lower tier
             (prefix hits there), loads that failed their checksum (recomputed), and blocks
             copied down a tier, by the workers (DESIGN §12).
+        fetched_blocks, fetch_failures: blocks filled from another pool's worker (a prefix
+            cached there, DESIGN §13), and fetches that failed (recomputed).
         cancelled: requests cancelled. completions: one per request, in
             submission order (``run``; the online loop hands them to the handles).
     """
@@ -172,6 +174,8 @@ class Report:
     loaded_blocks: int = 0
     load_failures: int = 0
     offloaded_blocks: int = 0
+    fetched_blocks: int = 0
+    fetch_failures: int = 0
     failed: int = 0
     cancelled: int = 0
     seconds: float = 0.0

@@ -1,7 +1,8 @@
-"""The engine's side of the lower tiers (DESIGN §12): the allocator's orders go to each
-pool's worker (``MoveBlocks``) before the step's forward, the worker's word goes back to
-the allocator (``SettleTiers``), and a load that failed is recomputed. A mixin of
-``Engine``.
+"""The engine's side of the lower tiers (DESIGN §12) and of fetches (§13): the
+allocator's orders go to each pool's worker (``MoveBlocks``, then ``FetchBlocks`` for the
+blocks another pool's worker holds) before the step's forward, the worker's word goes
+back to the allocator (``SettleTiers``: entries settled, the sources' read pins
+released), and a load or fetch that failed is recomputed. A mixin of ``Engine``.
 
 Order of events in a step: the step's allocator call answers with orders (copies down of
 the blocks it evicted, loads of the prefix hits in a lower tier), a background Sync may
@@ -32,13 +33,23 @@ class TierPath:
 
     def _move_blocks(self) -> None:
         """Runs the orders answered since the last step on their workers (all pools at once),
-        then settles them with the allocator in the background."""
+        then the fetches from other pools' workers, and settles them with the allocator in
+        the background."""
         orders = self.client.take_tier_orders()
         if not orders:
             return
         groups: dict[tuple[str, int], list[pb.TierOrder]] = {}
+        fetches: dict[tuple[str, int, str, int], list[pb.TierOrder]] = {}
         for o in orders:
-            groups.setdefault((o.pool_id, o.epoch), []).append(o)
+            if o.source_pool_id:
+                fetches.setdefault((o.pool_id, o.epoch, o.source_pool_id, o.source_epoch), []).append(o)
+            else:
+                groups.setdefault((o.pool_id, o.epoch), []).append(o)
+        self._run_moves(groups)
+        if fetches:
+            self._run_fetches(fetches)
+
+    def _run_moves(self, groups: dict[tuple[str, int], list[pb.TierOrder]]) -> None:
         calls = {key: self._executor.submit(self._move_call, key, group) for key, group in groups.items()}
         r = self.report
         for (pool, epoch), group in groups.items():
@@ -70,6 +81,58 @@ class TierPath:
             if settled:
                 self._executor.submit(self._settle, pool, epoch, settled)
 
+    def _run_fetches(self, groups: dict[tuple[str, int, str, int], list[pb.TierOrder]]) -> None:
+        """Fetches (DESIGN §13): each destination pool's worker pulls its blocks from the
+        source pool's worker (``FetchBlocks``). A block that did not arrive (its source
+        gone, a checksum, a pin lost: src -1) is recomputed by its readers, as a failed
+        load; the source's pins are released once their fetches ran."""
+        runnable = {key: [o for o in group if o.src >= 0] for key, group in groups.items()}
+        calls = {key: self._executor.submit(self._fetch_call, key, group)
+                 for key, group in runnable.items() if group}
+        r = self.report
+        release: dict[tuple[str, int], set[str]] = {}
+        for key, group in groups.items():
+            pool, epoch, source, source_epoch = key
+            failed = {o.dst for o in group if o.src < 0}
+            if key in calls:
+                try:
+                    response = calls[key].result()
+                except (errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition) as exc:
+                    # (this pool's worker gone or restarted: its sequences fail this step's
+                    # forward and are recomputed)
+                    log.warning("pool %s: %d fetches from pool %s not run (%s: %s)", pool, len(runnable[key]),
+                                source, type(exc).__name__, exc)
+                    response = None
+                if response is not None:
+                    for o, res in zip(runnable[key], response.results):
+                        if not res.ok:
+                            failed.add(o.dst)
+                            log.warning("pool %s: fetch of block %d from pool %s failed (%s): recomputed",
+                                        pool, o.dst, source, res.error)
+            r.fetched_blocks += len(group) - len(failed)
+            r.fetch_failures += len(failed)
+            if failed:       # (recomputed by their readers: _recompute_tainted, right after)
+                self._tainted.setdefault((pool, epoch), set()).update(failed)
+            release.setdefault((source, source_epoch), set()).update(o.pin_id for o in group if o.pin_id)
+        for (source, source_epoch), pins in release.items():
+            if pins:
+                self._executor.submit(self._settle, source, source_epoch, [], sorted(pins))
+
+    def _fetch_call(self, key: tuple[str, int, str, int], group: list[pb.TierOrder]) -> wpb.FetchBlocksResponse:
+        pool, epoch, source, source_epoch = key
+        stub = self._stubs.get(pool)
+        if stub is None:
+            raise errors.Unavailable(f"no connection to the worker of pool {pool}")
+        request = wpb.FetchBlocksRequest(
+            epoch=epoch, lease_id=self.client.lease_id, generation=self.client.generation(pool),
+            source_pool_id=source, source_epoch=source_epoch,
+            fetches=[wpb.BlockFetch(src_tier=o.src_tier, src=o.src, block_hash=o.block_hash, dst=o.dst)
+                     for o in group])
+        try:
+            return stub.FetchBlocks(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise to_domain_error(exc) from None
+
     def _move_call(self, key: tuple[str, int], group: list[pb.TierOrder]) -> wpb.MoveBlocksResponse:
         pool, epoch = key
         stub = self._stubs.get(pool)
@@ -84,14 +147,15 @@ class TierPath:
         except grpc.RpcError as exc:
             raise to_domain_error(exc) from None
 
-    def _settle(self, pool: str, epoch: int, settled: list[pb.TierSettlement]) -> None:
-        """Passes the worker's word on to the allocator (a failure only delays an entry's
-        use: unconfirmed, it is taken back after a minute)."""
+    def _settle(self, pool: str, epoch: int, settled: list[pb.TierSettlement], release_pins: list[str] = ()) -> None:
+        """Passes the worker's word on to the allocator, and releases the read pins of the
+        fetches that ran (a failure only delays an entry's use: unconfirmed, it is taken
+        back after a minute; a pin is released at its deadline)."""
         try:
-            self.client.settle_tiers(pool, epoch, settled)
+            self.client.settle_tiers(pool, epoch, settled, list(release_pins))
         except errors.KvsError as exc:
-            log.warning("pool %s: %d lower-tier entries not settled (%s: %s)", pool, len(settled),
-                        type(exc).__name__, exc)
+            log.warning("pool %s: %d lower-tier entries not settled, %d pins not released (%s: %s)", pool,
+                        len(settled), len(release_pins), type(exc).__name__, exc)
 
     def _recompute_tainted(self) -> None:
         """Each step: the tainted blocks of each pool's current epoch are recomputed by

@@ -1,19 +1,20 @@
 --- reap: frees the sequences and the reserves of expired leases (or of one revoked lease,
---- force_lease), a bounded number per call; idempotent, so every replica may run it.
+--- force_lease), a bounded number per call, and releases the read pins past their deadline
+--- (lib/pins); idempotent, so every replica may run it.
 --- Records that runs were building or freeing go with them (lib/runs: a run's admission
 --- goes back to the pool; a staged create's new blocks lose the hashes it registered). A
 --- sequence longer than what is left of the call's block budget is freed from its last
 --- block, that many blocks per call (it is then in state "f" until it is gone).
 ---
---- KEYS[1..28]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
 ---   max_seqs, max_blocks (the freed sequences' blocks in all: past it, the rest waits for
 ---   the next call; what is left of it, 256 at least, bounds the scan of the reserve hash
 ---   for an ended lease's reserve), tombstone_ms}
 --- Returns msgpack {epoch, leases (expired leases fully reaped), sequences (sequences
----   freed), reserved (reserve blocks reclaimed), more (whether work is left), next_ms
----   (time left until the earliest lease deadline in the pool passes, 0 if it has; -1: no
----   lease there)}; or an error (lib/codec): NOT_FOUND.
+---   freed), reserved (reserve blocks reclaimed), pins (pins released), more (whether work
+---   is left), next_ms (time left until the earliest lease or pin deadline in the pool
+---   passes, 0 if it has; -1: no lease or pin there)}; or an error (lib/codec): NOT_FOUND.
 --- @include "lib/time"
 --- @include "lib/runs"
 
@@ -24,6 +25,7 @@ local ok, res = guarded(function()
 end)
 if not ok then return res end
 local now = now_ms()
+local pins_swept = PINS.sweep(now)
 if p.force_lease ~= '' and redis.call('ZSCORE', K_LEASES, p.force_lease) then
   redis.call('ZADD', K_LEASES, 0, p.force_lease)
 end
@@ -131,9 +133,12 @@ else
   apply(res.num_blocks, zero_hashed(nil), stats, nil)
 end
 redis.call('ZREMRANGEBYSCORE', K_DEAD, '-inf', now - p.tombstone_ms)
-if #expired > 0 then changed() end
+if #expired > 0 or pins_swept > 0 then changed() end
+stats.fetch_pins_expired = pins_swept
 incr_stats(stats)
 local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
 local next_ms = first[2] and math.max(tonumber(first[2]) - now, 0) or -1
-return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, reserved = reserved, more = more,
-              next_ms = next_ms})
+local pin_due = PINS.next_deadline()
+if pin_due and (next_ms < 0 or pin_due - now < next_ms) then next_ms = math.max(pin_due - now, 0) end
+return reply({epoch = res.epoch, leases = nleases, sequences = nseqs, reserved = reserved, pins = pins_swept,
+              more = more, next_ms = next_ms})

@@ -3,10 +3,10 @@
 --- are dropped; the disk tier's confirmed entries may stay, below). On one
 --- Redis the pool joins the registry in the same script, so a refused registration leaves
 --- no trace; on a Redis Cluster the registry is on another slot, and the store adds the
---- pool to it after the script succeeded (KEYS[30] absent).
+--- pool to it after the script succeeded (KEYS[31] absent).
 ---
---- KEYS[1..28]: the pool's keys (kvservice/allocator/keys.py); KEYS[29]: the request key;
---- KEYS[30] (optional): the pool registry (a set of pool ids).
+--- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key;
+--- KEYS[31] (optional): the pool registry (a set of pool ids).
 --- ARGV[1]: msgpack map {pool, request_id, fingerprint, request_ttl_ms, num_blocks,
 ---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address, host_entries,
 ---   disk_entries (the lower tiers' sizes, lib/tiers; 0: none), disk_kept (the worker's

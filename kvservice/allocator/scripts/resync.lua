@@ -9,7 +9,7 @@
 --- consistent (counts, records, reserves, holdings). From the first part to the last, the
 --- lease's records in the pool are the resync's alone: K_STATE "resync:<lease>" names the
 --- run, and every other call of the lease there fails (lib/pool, lease_in_pool). The
---- run's own state is K_RUN (KEYS[30], a hash: run, generation, stage, next, lost, "n<number>" for
+--- run's own state is K_RUN (KEYS[31], a hash: run, generation, stage, next, lost, "n<number>" for
 --- the lease's recorded sequences, round (raised by each first part), "b<round>:<block>" for
 --- blocks the round took from the reserve), which expires after request_ttl_ms. The pool's counters see the lease's recorded sequences
 --- freed and its kept claims created. Stages:
@@ -41,8 +41,8 @@
 --- claimed number (lib/runs), the last one making it the sequence; a piece that finds a
 --- block the lease cannot keep makes it lost and gives back what the earlier pieces took.
 ---
---- KEYS[1..28]: the pool's keys (kvservice/allocator/keys.py); KEYS[29]: the request key;
---- KEYS[30]: the run's key (keys.resync_key).
+--- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key;
+--- KEYS[31]: the run's key (keys.resync_key).
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
 ---   lease_id, tenant (the lease's, for lib/held), lease_left_ms (its time left, ms; 0:
 ---   attached to the pool already), touch_left_ms (its time left after the Sync's keep-alive,

@@ -1,7 +1,7 @@
 --- step: one engine step in one pool: commits, frees, forks, growth (with copy-on-write)
 --- and creates, all-or-nothing: the whole call is planned and checked, then written.
 ---
---- KEYS[1..28]: the pool's keys (kvservice/allocator/keys.py); KEYS[29]: the request key.
+--- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key.
 --- ARGV[1]: msgpack map
 ---   pool, generation (the pool's as the caller heard it, lib/generation; 0: none), request_id
 ---   ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,
@@ -20,12 +20,16 @@
 ---     growth's new blocks, scripts/stage.lua: appended, not allocated), graft_cow (its
 ---     first block is the copy-on-write destination, released if no copy is needed)}],
 ---   creates = [{epoch, num_tokens, root_hash (hex), block_hashes = [hex per full block],
----     tier_loads (the caller runs the answer's loads: the lookup goes on into the lower tiers)}]
+---     tier_loads (the caller runs the answer's loads: the lookup goes on into the lower tiers),
+---     fetch (optional: {from, n}: another pool holds the chain's blocks from .. from + n - 1
+---     pinned for a fetch, DESIGN §13; the lookup goes on through those)}]
 --- Returns msgpack {epoch, generation, updates = [{num_tokens, num_committed_blocks, last_hash,
 ---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
 ---   children = [record]}], created = [record], copies = [[src, dst]], tier_orders =
 ---   [[src_tier, src, dst_tier, dst, hash hex]] (lib/tiers: the evictions' copies down a
----   tier, then the creates' loads from one, in the order the worker runs them)}, where record =
+---   tier, then the creates' loads from one, in the order the worker runs them), fetches =
+---   [[create index, position in its chain, device block]] (the blocks the caller fills
+---   from the other pool's pinned ones)}, where record =
 ---   {sequence, num_tokens, num_committed_blocks, num_cached_tokens, last_hash,
 ---   block_table, cow = [src, dst] (a child's)}; or an error (lib/codec): NOT_FOUND,
 ---   INVALID_ARGUMENT, FAILED_PRECONDITION (reasons EPOCH_CHANGED, LEASE_EXPIRED,
@@ -362,9 +366,10 @@ end
 
 -- Phase 5: creates (longest cached prefix, never covering the last prompt token).
 local loads = {}         -- {tier code, entry, device block (a placeholder), hash}
+local fetches = {}       -- {create index, position in its chain, device block (a placeholder)}
 local function create_sequences(bs, known, stats)
   local made = {}
-  for _, c in ipairs(creates) do
+  for ci, c in ipairs(creates) do
     local hs = c.block_hashes
     local max_hit = math.floor((c.num_tokens - 1) / bs)
     local rec = {l = lease, t = c.num_tokens, c = #hs, h = c.root_hash, k = 0, st = '', pages = {}, nb = 0, add = {},
@@ -372,14 +377,22 @@ local function create_sequences(bs, known, stats)
     if #hs > 0 then rec.h = hs[#hs] end
     -- The chain through the tiers: each block cached on the device is shared, one in a
     -- lower tier (ready) is loaded into a new block (lib/tiers); the first miss ends it.
-    local dev, lower, n = {}, {}, 0
+    -- A block another pool holds pinned for this create (c.fetch, positions from ..
+    -- from + n - 1) is fetched from there into a new block (DESIGN §13).
+    local dev, lower, remote, n = {}, {}, {}, 0
+    local fetch = c.fetch
     for i = 1, math.min(max_hit, #hs) do
       local b = pending[hs[i]] or known[hs[i]]
       if not b then
         local t, e = nil, nil
         if c.tier_loads then t, e = TIER.hit(hs[i]) end
-        if not t then break end
-        lower[i] = {t, e}
+        if t then
+          lower[i] = {t, e}
+        elseif fetch and i >= fetch.from and i < fetch.from + fetch.n then
+          remote[i] = true
+        else
+          break
+        end
       end
       dev[i] = b
       n = i
@@ -405,6 +418,10 @@ local function create_sequences(bs, known, stats)
           local f = 'tier_' .. l[1] .. '_'
           stats[f .. 'hit_tokens'] = (stats[f .. 'hit_tokens'] or 0) + bs
           stats[f .. 'loads'] = (stats[f .. 'loads'] or 0) + 1
+        end
+        if remote[i] then
+          fetches[#fetches + 1] = {ci, i, b}
+          stats.fetched_blocks = (stats.fetched_blocks or 0) + 1
         end
       end
       add[i] = b
@@ -543,9 +560,12 @@ for _, l in ipairs(loads) do
   out_orders[#out_orders + 1] = {l[1], l[2], 0, map[l[3]], l[4]}
   TIER.touch(TIER.name[l[1]], string.format('%d', l[2]))
 end
+local out_fetches = {}
+for _, f in ipairs(fetches) do out_fetches[#out_fetches + 1] = {f[1], f[2], map[f[3]]} end
 stats.sequences_created = nkids + nmade
 stats.sequences_freed = nfreed
 changed()
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, generation = gen, updates = out_updates,
-                                    created = out_made, copies = out_copies, tier_orders = out_orders}))
+                                    created = out_made, copies = out_copies, tier_orders = out_orders,
+                                    fetches = out_fetches}))

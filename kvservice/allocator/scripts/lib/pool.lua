@@ -1,19 +1,19 @@
 --- @include "lib/codec"
 --- @include "lib/generation"
---- The 28 keys of one pool, in the order kvservice/allocator/keys.py passes them
---- (KEYS[1..28]: 16 of the device tier, then 6 of the host tier and 6 of the disk tier,
+--- The 29 keys of one pool, in the order kvservice/allocator/keys.py passes them
+--- (KEYS[1..29]: 16 of the device tier, the read pins (lib/pins), then 6 of the host tier and 6 of the disk tier,
 --- lib/tiers), the pool's registration record and its counters.
 local K_META, K_STATE, K_FREE, K_EVICT, K_REF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_H2B, K_B2H, K_SEQS, K_LEASES, K_LSEQ = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_DEAD, K_STATS, K_TABS, K_RESERVE, K_JOURNAL = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
-local K_HELD = KEYS[16]
+local K_HELD, K_PINS = KEYS[16], KEYS[17]
 -- The lower tiers' keys (lib/tiers): per tier state, free, h2e, e2h, lru, pend.
-local K_TIERS = {h = {state = KEYS[17], free = KEYS[18], h2e = KEYS[19], e2h = KEYS[20], lru = KEYS[21], pend = KEYS[22]},
-                 d = {state = KEYS[23], free = KEYS[24], h2e = KEYS[25], e2h = KEYS[26], lru = KEYS[27], pend = KEYS[28]}}
-local NUM_POOL_KEYS = 28
+local K_TIERS = {h = {state = KEYS[18], free = KEYS[19], h2e = KEYS[20], e2h = KEYS[21], lru = KEYS[22], pend = KEYS[23]},
+                 d = {state = KEYS[24], free = KEYS[25], h2e = KEYS[26], e2h = KEYS[27], lru = KEYS[28], pend = KEYS[29]}}
+local NUM_POOL_KEYS = 29
 -- KEYS[2 .. EPOCH_KEYS] belong to one epoch (dropped on re-registration); the disk tier's
 -- may outlive it (scripts/register_pool.lua).
-local EPOCH_KEYS = 22
+local EPOCH_KEYS = 23
 
 -- Returns epoch, num_blocks, block_size and generation (lib/generation: a new one if the
 -- Redis serving the pool changed) of a registered pool; raises NOT_FOUND otherwise.

@@ -1,5 +1,6 @@
 --- @include "lib/pool"
 --- @include "lib/time"
+--- @include "lib/pins"
 --- The pool's lower tiers (DESIGN §12): 'h' (host memory) and 'd' (a file on disk) of the
 --- pool's worker, each a fixed number of entries (K_META host_entries / disk_entries; 0:
 --- no such tier) that hold one full, hashed block each. Per tier (K_TIERS[t]): state
@@ -67,8 +68,8 @@ end
 
 -- An entry of tier t for new content (decimal string), or nil: a free one, a never-used
 -- one, a pending one whose copy was lost (older than PENDING_TTL_MS), or the least
--- recently used ready one not loaded by this call (a host entry goes down to the disk
--- tier first, when there is one and it lacks that hash).
+-- recently used ready one not loaded by this call nor pinned by a fetch (lib/pins; a host
+-- entry goes down to the disk tier first, when there is one and it lacks that hash).
 function TIER.take(t, stats)
   local k = K_TIERS[t]
   local e = redis.call('LPOP', k.free)
@@ -86,7 +87,7 @@ function TIER.take(t, stats)
   end
   local victim = nil
   for _, s in ipairs(redis.call('ZRANGE', k.lru, 0, 15)) do
-    if not TIER.protect[t][s] then victim = s; break end
+    if not TIER.protect[t][s] and not PINS.holds(t, s) then victim = s; break end
   end
   if not victim then return nil end
   local h = TIER.forget(t, victim)
