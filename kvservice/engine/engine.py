@@ -123,6 +123,9 @@ class Engine(Scheduler, ForwardPath, TierPath):
         #: load, or a prompt that a failed step never wrote): computed again by whoever
         #: counts them as cached (kvservice/engine/tiers.py).
         self._tainted: dict[tuple[str, int], set[int]] = {}
+        #: Pools whose worker failed a step, and when: a request that asks for one is placed
+        #: elsewhere for ``LOST_POOL_S`` (``_pool_of``).
+        self._lost_pools: dict[str, float] = {}
         self._admit_order, self._hold, self._solo = itertools.count(1), False, False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -173,6 +176,9 @@ class Engine(Scheduler, ForwardPath, TierPath):
                                f"the largest pool has {largest}", "max_new_tokens")
         if req.stop and self.tokenizer is None:
             raise RequestError("stop strings need a model with a tokenizer; this one speaks token ids", "stop")
+        if req.pool and req.pool not in self._num_blocks:
+            raise RequestError(f"pool {req.pool!r} is none of the engine's ({', '.join(sorted(self._num_blocks))})",
+                               "pool")
 
     def start(self) -> "Engine":
         """Runs the step loop in a thread, for ``submit``."""
@@ -311,7 +317,7 @@ class Engine(Scheduler, ForwardPath, TierPath):
         creates = self._plan_creates(appends, forks)
         frees = list(self._to_free)
         before = {s: s.num_tokens for s in appends}
-        prompts = [(tokens, "", b"") for _, _, tokens in creates]
+        prompts = [(tokens, self._pool_of(job.req), b"") for job, _, tokens in creates]
         try:
             if self.local:
                 result, created, shortage = self._change_locally(appends, forks, frees, prompts)

@@ -140,6 +140,7 @@ class ForwardPath:
         log.warning("the worker of pool %s failed a step (%s: %s): %d request(s) recomputed elsewhere",
                     pool, type(exc).__name__, exc, len(jobs))
         self.report.worker_failures += 1
+        self._lost_pools[pool] = time.monotonic()
         for job in jobs:
             self._requeue(job)
         self._unwritten.pop(pool, None)

@@ -60,6 +60,9 @@ class Request:
             end-of-sequence ids.
         ignore_eos: go on past the model's end-of-sequence tokens (``max_new_tokens``
             tokens always).
+        pool: the pool (worker) whose KV its sequences take while it serves; "" (the
+            default): the allocator places them (docs/allocator.md, "Placement"). A pool
+            that leaves is replaced by placement.
     """
 
     prompt: list[int]
@@ -73,6 +76,7 @@ class Request:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    pool: str = ""
 
     def __post_init__(self) -> None:
         name = f"request {self.request_id!r}"
@@ -154,7 +158,8 @@ class Report:
             (prefix hits there), loads that failed their checksum (recomputed), and blocks
             copied down a tier, by the workers (DESIGN §12).
         fetched_blocks, fetch_failures: blocks filled from another pool's worker (a prefix
-            cached there, DESIGN §13), and fetches that failed (recomputed).
+            cached there, DESIGN §13), and blocks not fetched (the source gone, a checksum,
+            the destination's worker gone): recomputed.
         cancelled: requests cancelled. completions: one per request, in
             submission order (``run``; the online loop hands them to the handles).
     """

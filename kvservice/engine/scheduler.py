@@ -5,6 +5,7 @@ report (a mixin of ``Engine``, over the state its constructor makes)."""
 from __future__ import annotations
 
 import logging
+import time
 
 from kvservice import errors
 from kvservice.engine.requests import (CANCELLED, DONE, FAILED, FOLLOW, PREFILL, WAIT, Completion, Output,
@@ -12,6 +13,10 @@ from kvservice.engine.requests import (CANCELLED, DONE, FAILED, FOLLOW, PREFILL,
 from kvservice.engine.text import Detokenizer, StopMatcher
 
 log = logging.getLogger("kvservice.engine")
+
+#: How long after its worker failed a step a pool that a request asks for is passed over
+#: by placement (seconds): its worker restarts in that time, or its pool is gone.
+LOST_POOL_S = 10.0
 
 
 class Scheduler:
@@ -94,6 +99,15 @@ class Scheduler:
         return shared + req.n * (-(-total // bs) - shared)
 
 
+    def _pool_of(self, req: Request) -> str:
+        """The pool a request asks for (``Request.pool``), unless the engine has no worker
+        for it or its worker failed a step within ``LOST_POOL_S``; else "" (placed)."""
+        pool = req.pool
+        if not pool or pool not in self._stubs:
+            return ""
+        lost = self._lost_pools.get(pool)
+        return "" if lost is not None and time.monotonic() - lost < LOST_POOL_S else pool
+
     def _plan_creates(self, appends: dict, forks: dict) -> list[tuple[_Job, _Branch, list[int]]]:
         """This step's creates, as (job, branch, prompt tokens): unplaced branches of running
         jobs, then waiting jobs in order, while the predicted free blocks, ``max_num_seqs``
@@ -121,7 +135,8 @@ class Scheduler:
             width = job.req.n if split(job) else 1
             job.forking = width > 1
             tokens = job.req.prompt + b.outputs
-            need, pool = -(-len(tokens) // self._block_size[target]) + width - 1, target
+            pool = self._pool_of(job.req) or target
+            need = -(-len(tokens) // self._block_size[pool]) + width - 1
             if creates and self._solo or not idle and (need > avail[pool] or seqs + width > self.max_num_seqs
                              or (len(tokens) > budget and budget < self.max_prefill_tokens)):
                 return False

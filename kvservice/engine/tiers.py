@@ -103,13 +103,15 @@ class TierPath:
                     log.warning("pool %s: %d fetches from pool %s not run (%s: %s)", pool, len(runnable[key]),
                                 source, type(exc).__name__, exc)
                     response = None
+                    r.fetch_failures += len(runnable[key])
                 if response is not None:
-                    for o, res in zip(runnable[key], response.results):
-                        if not res.ok:
-                            failed.add(o.dst)
-                            log.warning("pool %s: fetch of block %d from pool %s failed (%s): recomputed",
-                                        pool, o.dst, source, res.error)
-            r.fetched_blocks += len(group) - len(failed)
+                    errors_seen = [res.error for res in response.results if not res.ok]
+                    failed.update(o.dst for o, res in zip(runnable[key], response.results) if not res.ok)
+                    if errors_seen:
+                        log.warning("pool %s: %d of %d blocks fetched from pool %s failed (first: %s): recomputed",
+                                    pool, len(errors_seen), len(runnable[key]), source, errors_seen[0])
+            if response is not None or key not in calls:
+                r.fetched_blocks += len(group) - len(failed)
             r.fetch_failures += len(failed)
             if failed:       # (recomputed by their readers: _recompute_tainted, right after)
                 self._tainted.setdefault((pool, epoch), set()).update(failed)

@@ -1,0 +1,73 @@
+"""Multi-turn chats over SmolLM2 for the engine tests (lower tiers, fetches): each turn's
+prompt is the last one, its answer and a new question; every answer is checked against
+transformers' greedy ``generate`` (tokens, and logits within ``ATOL``)."""
+
+from __future__ import annotations
+
+import urllib.request
+from typing import Callable
+
+import torch
+
+from kvservice.engine import Engine, Request
+from kvservice.engine.text import Message
+
+NAME = "smollm2-135m"
+STEPS = 8
+ATOL = 1e-3
+#: SmolLM2's block of 16 tokens: 2 (K, V) x 30 layers x 3 KV heads x 16 x 64 x 4 bytes.
+BLOCK_BYTES = 2 * 30 * 3 * 16 * 64 * 4
+SYSTEMS = ["You are a careful assistant for a public library. Answer in plain words, at most two sentences, and "
+           "say so when you do not know. Never invent titles, authors or dates; suggest asking a librarian instead.",
+           "You are a terse assistant for a bicycle repair shop. Give the one most likely cause and the one next "
+           "step. Mention safety first when brakes or wheels are involved, and keep every answer short."]
+QUESTIONS = ["What should I read after a long novel about the sea?", "Which tools do I need to fix a flat tyre?",
+             "How do I find a book whose title I forgot?", "Why does my chain skip when I pedal hard?",
+             "Can I renew a loan twice in a row?", "The brakes squeal in the rain; is that dangerous?",
+             "Where are the old newspapers kept?", "How tight should the spokes of a rear wheel be?"]
+FOLLOW_UPS = ["Thank you. And if that does not help at all, what would you suggest instead of it?",
+              "Could you say that again in simpler words for a child of ten years?"]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.split()[-1])
+    return total
+
+
+def turns(engine: Engine, reference, conversations: int, turns: int, check=None,
+          pool: Callable[[int, int], str] | None = None, systems: list[str] = SYSTEMS) -> list:
+    """Runs ``turns`` rounds of ``conversations`` chats (shared system prompts); each turn's
+    prompt is the previous one, its answer and a new question. Every answer is checked
+    against transformers' greedy ``generate``. ``pool(conversation, turn)``: the pool of
+    that turn's request ("" or None: placed). Returns the reports."""
+    tok = engine.tokenizer
+    prompts = [tok.chat_prompt([Message("system", systems[i % len(systems)]),
+                                Message("user", QUESTIONS[i % len(QUESTIONS)])])
+               for i in range(conversations)]
+    reports = []
+    for t in range(turns):
+        if check is not None:
+            check(t)
+        report = engine.run([Request(p, max_new_tokens=STEPS, ignore_eos=True, request_id=f"c{i}t{t}",
+                                     pool=pool(i, t) if pool else "")
+                             for i, p in enumerate(prompts)])
+        assert report.failed == 0
+        for p, c in zip(prompts, report.completions):
+            with torch.inference_mode():
+                out = reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                         do_sample=False, max_new_tokens=STEPS, eos_token_id=None, pad_token_id=2,
+                                         output_logits=True, return_dict_in_generate=True)
+            assert c.outputs[0] == out.sequences[0, len(p):].tolist(), c.request_id
+            got = torch.tensor([list(row) for row in c.logits[0]])
+            torch.testing.assert_close(got, torch.stack([x[0] for x in out.logits]).float(), atol=ATOL, rtol=0)
+        reports.append(report)
+        follow = FOLLOW_UPS[t % len(FOLLOW_UPS)]
+        prompts = [p + c.outputs[0] + tok.encode(f"\nuser: {follow}\nassistant:")
+                   for p, c in zip(prompts, report.completions)]
+    return reports
+
+

@@ -1,0 +1,103 @@
+"""Fetches between workers (DESIGN §13) through the engine over two SmolLM2 workers: each
+conversation's turns alternate between the workers; every answer equals transformers'
+(tokens, and logits within 1e-3), and from the second turn on a turn computes only what
+the last one did not hold (its new question, the last answer's partial block), the rest
+fetched from the other worker; without fetches the second turn computes its whole prompt.
+The source worker killed mid-run: its blocks are recomputed, nothing wrong is served, and
+no pin outlives its deadline."""
+
+from __future__ import annotations
+
+import pytest
+
+from chats import NAME, metric, turns
+from kvservice.engine import Engine
+from kvservice.tools.launcher import Stack
+from worker import weights
+
+#: Long, distinct system prompts (about 900 tokens each): each turn's new tokens are a
+#: small part of its prompt.
+DOCUMENTS = [" ".join(f"Rule {k} of branch {b}: a member may borrow {k % 7 + 1} items from shelf {k * 3 + b}, "
+                      f"returned within {k % 4 + 1} weeks, or pay {k % 5 + 1} coins." for k in range(40))
+             for b in range(4)]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_cache):
+    return weights.load(NAME)
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_cache):
+    with Stack(2, model=NAME, block_size=16, num_blocks=512) as s:
+        yield s
+
+
+def _alternate(stack):
+    pools = [w.pool_id for w in stack.workers]
+    return lambda conversation, turn: pools[(conversation + turn) % 2]
+
+
+def _computed(report) -> float:
+    prompt = sum(c.num_prompt_tokens for c in report.completions)
+    return report.prefill_tokens / prompt
+
+
+def test_turns_alternating_between_workers_fetch_their_history_and_equal_transformers(stack, reference):
+    with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+        reports = turns(engine, reference, conversations=2, turns=4, pool=_alternate(stack), systems=DOCUMENTS[:2])
+    shares = [_computed(r) for r in reports]
+    fetched = sum(r.fetched_blocks for r in reports)
+    print(f"computed share of each turn's prompt tokens: {[f'{x:.3f}' for x in shares]}; "
+          f"{fetched} blocks fetched, {sum(r.fetch_failures for r in reports)} failed")
+    assert shares[0] == 1.0
+    assert all(x <= 0.10 for x in shares[1:]), shares
+    assert fetched > 0 and sum(r.fetch_failures for r in reports) == 0
+    moved_in = sum(metric(w.metrics_url, "kvservice_worker_transfer_blocks_total", direction="in")
+                   for w in stack.workers)
+    assert moved_in == fetched
+    assert stack.audit().ok
+
+
+def test_without_fetches_the_second_turn_computes_its_whole_prompt(stack, reference):
+    with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False) as engine:
+        reports = turns(engine, reference, conversations=2, turns=2, pool=_alternate(stack), systems=DOCUMENTS[2:])
+    shares = [_computed(r) for r in reports]
+    print(f"without fetches, computed share of each turn's prompt tokens: {[f'{x:.3f}' for x in shares]}")
+    assert shares == [1.0, 1.0] and sum(r.fetched_blocks for r in reports) == 0
+
+
+def test_a_source_killed_mid_fetch_is_recomputed_and_leaves_no_pin(reference):
+    """Each conversation's turn 1 on one worker, turn 2 on the other; worker 0 stopped
+    (SIGSTOP) as turn 2 starts, so the fetch of worker 1 from it waits on it, and SIGKILLed
+    a moment later. The blocks that did not arrive are recomputed (and the turn that was to
+    run on worker 0 runs on worker 1): every answer equals transformers'."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from helpers import sync_redis
+    from kvservice.allocator import keys
+
+    with Stack(2, model=NAME, block_size=16, num_blocks=512) as stack, \
+            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+        source = stack.workers[0]
+
+        def check(turn: int) -> None:
+            if turn == 1:
+                os.kill(source.proc.pid, signal.SIGSTOP)
+                threading.Timer(1.5, source.kill).start()
+
+        started = time.monotonic()
+        reports = turns(engine, reference, conversations=2, turns=2, check=check, pool=_alternate(stack),
+                        systems=DOCUMENTS[:2])
+        took = time.monotonic() - started
+        failed = reports[1].fetch_failures
+        print(f"turn 2: {failed} fetches failed and were recomputed ({_computed(reports[1]):.3f} of the prompt "
+              f"computed); {took:.1f} s in all")
+        assert failed > 0 and reports[1].fetched_blocks == 0
+        assert 0 < metric(stack.workers[1].metrics_url, "kvservice_worker_transfer_failed_blocks_total") <= failed
+        with sync_redis(stack.redis.admin_url) as r:        # (released by the engine once the fetch ran)
+            assert r.hgetall(keys.pool_key(source.pool_id, "pins")) == {}
+        assert stack.audit(stack.workers[1].pool_id).ok
