@@ -15,7 +15,7 @@ from kvservice.allocator import keys
 from kvservice.client import Client
 from kvservice.v1 import allocator_pb2 as pb
 
-from helpers import TEST_SETTINGS, ServerThread, audit, sync_redis
+from helpers import TEST_SETTINGS, ServerThread, audit, is_cluster, sync_redis
 
 BS = 4
 PROMPT_A = list(range(1, 14))          # 13 tokens: 3 full blocks (hashed) and a partial one
@@ -58,8 +58,15 @@ def _cached_in_a(c: Client) -> list[int]:
     return table
 
 
+def _shard(url: str, pool: str) -> str:
+    with sync_redis(url) as r:
+        return r.get_node_from_key(keys.pool_key(pool, "meta")).name
+
+
 def test_a_create_fetches_a_prefix_another_pool_holds_and_the_pin_is_released_when_settled(two):
     server, c, url = two
+    if is_cluster(url):                                   # (the pin and the create on two shards)
+        assert _shard(url, "a") != _shard(url, "b")
     held = _cached_in_a(c)
     s = c.create(PROMPT_A, pool="b")
     assert s.num_cached_tokens == 12                      # 3 blocks, to be fetched, not computed
