@@ -428,6 +428,55 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
                 f"{self.lease.ttl_seconds:g} s minus a margin; no further change is made")
             raise self.lease_error
 
+    def migrate(self, seq: Sequence, pool: str = "") -> Sequence:
+        """Moves a live sequence to another pool (DESIGN §13): a copy of it is made in
+        ``pool`` ("": where the allocator places it), whose blocks are filled from the old
+        ones by fetch orders (queued for ``take_tier_orders``: run them before computing on
+        the copy), and the old sequence is freed (its blocks stay pinned until the fetches
+        ran). Returns the copy; ``seq`` is freed. Needs ``collect_tier_orders`` (a client
+        whose workers run the orders).
+
+        Raises:
+            FailedPrecondition: no worker runs this client's orders; the destination is
+                draining. ResourceExhausted: too few blocks there. Nothing changed then.
+        """
+        if seq.freed or seq.lost:
+            raise freed_error(seq)
+        if not self.collect_tier_orders:
+            raise errors.FailedPrecondition("migrate needs a client whose workers run its fetch orders "
+                                            "(collect_tier_orders)")
+        self.flush()          # (local mode: the allocator's record of the sequence is ours)
+        hashes = self._committed_hashes(seq)
+        reply = self._call(self.stub.MigrateSequence, pb.MigrateSequenceRequest(
+            lease_id=self.lease_id, sequence_id=seq.id, pool_id=pool, block_hashes=b"".join(hashes),
+            request_id=new_request_id()))
+        state = reply.sequence
+        copy = Sequence(self, state, list(seq._tail), private=True)
+        copy._num_tokens = seq._num_tokens   # (remote mode: appends into a private block are ours alone so far)
+        self._heard([(state.pool_id, state.generation)])
+        self._epochs[copy.pool] = copy.epoch
+        if self.local:
+            self._adopt([copy])
+        else:
+            copy._hashes = list(hashes)
+            self._live.add(copy)
+        self._add_tier_orders(reply.fetches)
+        self.step(frees=[seq])
+        return copy
+
+    def _committed_hashes(self, seq: Sequence) -> list[bytes]:
+        """The hash of each committed block of ``seq``, as this client recorded them."""
+        if self.local:
+            known = self._journals[seq.pool].hash_of
+            hashes = [known.get(b) for b in seq._table[:seq._committed]]
+        else:
+            hashes = list(seq._hashes or [])[:seq._committed]
+            hashes += [None] * (seq._committed - len(hashes))
+        if any(h is None for h in hashes):
+            raise errors.FailedPrecondition(f"sequence {seq.id}: the hash of a committed block is unknown here; "
+                                            "it cannot be migrated")
+        return hashes
+
     def get(self, sequence_id: str) -> pb.Sequence:
         """The allocator's view of a sequence."""
         return self._call(self.stub.GetSequence, pb.GetSequenceRequest(sequence_id=sequence_id), idempotent=True)

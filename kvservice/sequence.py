@@ -113,6 +113,11 @@ class Sequence:
         """A child that shares every block; ``token_ids`` are appended to the child only."""
         return self.client.step(forks={self: [list(token_ids)]}).children[self.id][0]
 
+    def migrate(self, pool: str = "") -> "Sequence":
+        """Moves the sequence to another pool: returns its copy there (this one is freed).
+        See ``Client.migrate``."""
+        return self.client.migrate(self, pool)
+
     def free(self) -> None:
         """Releases the blocks (full blocks stay cached by hash until evicted)."""
         if not self.freed:

@@ -30,6 +30,7 @@ ROLES: dict[str, frozenset[str]] = {SERVICE + method: frozenset(roles) for metho
     "CreateSequence": (TENANT, ADMIN),
     "Step": (TENANT, ADMIN),
     "ForkSequence": (TENANT, ADMIN),
+    "MigrateSequence": (TENANT, ADMIN),
     "FreeSequences": (TENANT, ADMIN),
     "GetSequence": (TENANT, ADMIN),
     "Sync": (TENANT, ADMIN),

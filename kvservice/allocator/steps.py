@@ -412,6 +412,99 @@ class StepOps(RunOps):
                 except (errors.KvsError, ScriptError):
                     pass           # (released at its deadline then)
 
+    async def migrate_sequence(self, lease_id: str, sequence_id: str, pool_id: str, block_hashes: bytes,
+                               request_id: str = "") -> tuple[SeqState, list[tuple], int]:
+        """A copy of a live sequence in another pool (DESIGN §13, ``Sequence.migrate``):
+        its blocks are pinned where they are (``pin.lua``), a sequence of the same length,
+        commits and last hash is made in ``pool_id`` (or where placement puts it: the pool
+        of the same geometry with the least load, neither the source nor draining), sharing
+        the committed blocks that pool caches and taking new blocks for the rest, each with
+        a fetch order from the source. The source sequence is the caller's to free once the
+        fetches ran. ``block_hashes``: the hash of each committed block, 16 bytes each (the
+        caller's record). Returns the copy, its fetch orders and the destination's
+        generation."""
+        check_lease_id(lease_id)
+        check_request_id(request_id)
+        source, epoch, n, tag = parse_sequence_id(sequence_id)
+        if not _tag_fits(tag, lease_id, source, epoch, n):
+            await self._check_lease(lease_id)
+            raise errors.NotFound(f"sequence {sequence_id} not found")
+        current, rec = await self.store.get_sequence(source, n)
+        if current is None:
+            raise errors.NotFound(f"pool {source} is not registered")
+        if current != epoch:
+            raise epoch_error(sequence_id, source, epoch, current)
+        if rec is None or rec["state"] or rec["lease_id"] != lease_id:
+            raise errors.NotFound(f"sequence {sequence_id} not found")
+        _, geo = await self.geometry(source)
+        bs, committed = geo.block_size, rec["num_committed_blocks"]
+        if len(block_hashes) != committed * hashing.HASH_BYTES:
+            raise errors.InvalidArgument(f"sequence {sequence_id} has {committed} committed blocks: block_hashes "
+                                         f"needs {committed * hashing.HASH_BYTES} bytes, got {len(block_hashes)}")
+        hashes = [block_hashes[i:i + hashing.HASH_BYTES].hex() for i in range(0, len(block_hashes),
+                                                                              hashing.HASH_BYTES)]
+        if len(rec["block_table"]) > self.settings.max_blocks_per_call:
+            raise errors.InvalidArgument(f"sequence {sequence_id} holds {len(rec['block_table'])} blocks; a migration "
+                                         f"moves at most {self.settings.max_blocks_per_call} (max_blocks_per_call)")
+        dest = pool_id or await self._migration_target(source, geo, hashes)
+        if dest == source:
+            raise errors.InvalidArgument(f"sequence {sequence_id} is in pool {source} already")
+        dest_epoch, dest_geo = await self.geometry(dest)
+        if not _same_kv(dest_geo, geo):
+            raise errors.InvalidArgument(f"pool {dest} holds another KV layout than pool {source}: a block of one "
+                                         f"cannot fill a block of the other")
+        if await self.store.draining(dest):
+            raise errors.FailedPrecondition(f"pool {dest} is draining: it takes no new sequence", reason="DRAINING")
+        tenant, lease_left = await self._attach(lease_id, [dest])
+        pin_id, ttl_ms = secrets.token_hex(16), int(self.settings.fetch_pin_ttl * 1000)
+        pinned = await self.store.pin(source, epoch, pin_id, ttl_ms, [], blocks=rec["block_table"])
+        self.reap_schedule.expect([source], ttl_ms)
+        create = {"epoch": dest_epoch, "num_tokens": rec["num_tokens"], "root_hash": rec["last_hash"],
+                  "block_hashes": hashes,
+                  "tier_loads": False, "fetch": {"from": 1, "n": len(pinned)}, "migrate": True}
+        payload = self._step_payload(dest, [], [create], lease_id, tenant, lease_left, request_id,
+                                     fingerprint("migrate", [lease_id, sequence_id, dest, block_hashes])
+                                     if request_id else "")
+        try:
+            reply = (await self.store.step([payload]))[0]
+            if isinstance(reply, ScriptError):      # (re-registered meanwhile, or more than one call's work)
+                raise errors.FailedPrecondition(f"pool {dest} changed during the migration ({reply.code}); retry")
+            if isinstance(reply, Exception):
+                raise reply
+        except BaseException:
+            await self._release_unused([(source, epoch, pin_id)], StepOutcome([], [], []))
+            raise
+        made = seq_state(dest, reply["epoch"], reply["created"][0], lease_id, bs)
+        made.block_hashes = tuple(bytes.fromhex(h) for h in hashes)
+        orders = []
+        for _, position, block in reply.get("fetches") or ():
+            tier, src = pinned[position - 1] if position <= len(pinned) else (0, -1)
+            h = bytes.fromhex(hashes[position - 1]) if position <= len(hashes) else b""
+            orders.append((dest, reply["epoch"], tier, src, 0, block, h, source, epoch, pin_id))
+        if not orders:
+            await self._release_unused([(source, epoch, pin_id)], StepOutcome([], [], []))
+        return made, orders, int(reply["generation"])
+
+    async def _migration_target(self, source: str, geo: Geometry, hashes: list[str]) -> str:
+        """Where a migrating sequence goes when the caller names no pool: among the pools of
+        the same KV layout but its own and the draining ones, the one that caches most of its
+        committed blocks less its load (``_place``'s cost), then the most blocks available."""
+        scored = []
+        for pool_id in await self.store.pool_ids(cached=True):
+            if pool_id == source:
+                continue
+            try:
+                epoch, g = await self.geometry(pool_id)
+            except errors.NotFound:
+                continue
+            if not _same_kv(g, geo) or await self.store.draining(pool_id):
+                continue
+            probe = await self._probe_prefix(pool_id, epoch, hashes)
+            scored.append(((probe.sequences - probe.hits), -probe.available, pool_id))
+        if not scored:
+            raise errors.FailedPrecondition(f"no other pool of pool {source}'s KV layout takes new sequences")
+        return min(scored)[2]
+
     def _collect_applied(self, pool_id: str, items: dict[str, list], applied: dict[int, dict[str, Any]],
                          outcome: StepOutcome) -> None:
         """The deltas of the updates a refused step in parts applied first (commits, lengths,

@@ -348,11 +348,30 @@ class Store:
         return await self._call("tier_settle", keys.pool_keys(pool_id),
                                 {"pool": pool_id, "epoch": epoch, "settled": settled, "release": list(release)})
 
-    async def pin(self, pool_id: str, epoch: int, pin_id: str, ttl_ms: int, hashes: list[str]) -> list[list[int]]:
-        """Pins the leading blocks of a chain that the pool holds ready for a fetch
-        (``pin.lua``); returns [tier code, block or entry] per block pinned."""
-        reply = await self._call("pin", keys.pool_keys(pool_id), {"pool": pool_id, "epoch": epoch, "pin_id": pin_id,
-                                                                   "ttl_ms": ttl_ms, "block_hashes": hashes})
+    async def draining(self, pool_id: str) -> bool:
+        """Whether the pool is draining (``kvservice drain``): it takes no new sequence."""
+        return bool(await self.redis.hexists(keys.pool_key(pool_id, "meta"), "draining"))
+
+    async def set_draining(self, pool_id: str, on: bool) -> bool:
+        """Marks the pool draining (or not); False for a pool not registered."""
+        meta = keys.pool_key(pool_id, "meta")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hexists(meta, "epoch")
+            pipe.hset(meta, "draining", 1) if on else pipe.hdel(meta, "draining")
+            registered, _ = await pipe.execute()
+        if not registered:
+            await self.redis.hdel(meta, "draining")
+        return bool(registered)
+
+    async def pin(self, pool_id: str, epoch: int, pin_id: str, ttl_ms: int, hashes: list[str],
+                  blocks: list[int] | None = None) -> list[list[int]]:
+        """Pins the leading blocks of a chain that the pool holds ready for a fetch, or the
+        device blocks ``blocks`` of a migrating sequence (``pin.lua``); returns [tier code,
+        block or entry] per block pinned."""
+        payload = {"pool": pool_id, "epoch": epoch, "pin_id": pin_id, "ttl_ms": ttl_ms, "block_hashes": hashes}
+        if blocks is not None:
+            payload["blocks"] = blocks
+        reply = await self._call("pin", keys.pool_keys(pool_id), payload)
         return [list(x) for x in reply["pinned"]]
 
     async def tier_snapshot(self, pool_id: str) -> dict[str, dict[str, Any]]:

@@ -1,17 +1,18 @@
 --- pin: pins, for a fetch by another pool's worker (DESIGN §13), the leading blocks of a
 --- chain of hashes that this pool holds ready to be read: a device block that no block
 --- table holds (the sequences that wrote it have ended; pins may hold it), else a ready
---- entry of a lower tier. The first hash it holds none of so ends the pin. Expired pins
---- are released first (lib/pins).
+--- entry of a lower tier. The first hash it holds none of so ends the pin. Or (blocks) the
+--- device blocks of a live sequence that migrates to another pool: each must be referenced
+--- (its table holds it). Expired pins are released first (lib/pins).
 ---
 --- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch (the pool's as the caller knows it), pin_id, ttl_ms
 ---   (the pin's deadline is this shard's clock + ttl_ms), block_hashes = [hash hex, in
----   chain order]}
+---   chain order], blocks (optional, instead: [device block id])}
 --- Returns msgpack {epoch, pinned = [[tier code (0 device, 1 host, 2 disk), block or
----   entry]] (one per leading hash pinned; none: nothing pinned, no record)}; or an error
----   (lib/codec): NOT_FOUND, FAILED_PRECONDITION (reason EPOCH_CHANGED), INVALID_ARGUMENT
----   (a pin id in use).
+---   entry]] (one per leading hash pinned, or per block; none: nothing pinned, no record)};
+---   or an error (lib/codec): NOT_FOUND, FAILED_PRECONDITION (reason EPOCH_CHANGED; a block
+---   no table holds), INVALID_ARGUMENT (a pin id in use).
 --- @include "lib/time"
 --- @include "lib/tiers"
 
@@ -28,7 +29,20 @@ local _, res = guarded(function()
   local now = now_ms()
   local swept = PINS.sweep(now)
   local items, pinned = {}, {}
-  for _, h in ipairs(p.block_hashes) do
+  for _, id in ipairs(p.blocks or {}) do
+    local b = string.format('%d', id)
+    local r = tonumber(redis.call('HGET', K_REF, b)) or 0
+    if r <= PINS.on_block(b) then
+      bad('FAILED_PRECONDITION', 'pool ' .. p.pool .. ': block ' .. b .. ' is held by no block table')
+    end
+  end
+  for _, id in ipairs(p.blocks or {}) do
+    local b = string.format('%d', id)
+    redis.call('HINCRBY', K_REF, b, 1)
+    items[#items + 1] = {'b', b}
+    pinned[#pinned + 1] = {0, id}
+  end
+  for _, h in ipairs(p.blocks and {} or p.block_hashes) do
     local got = false
     local b = redis.call('HGET', K_H2B, h)
     if b then

@@ -22,7 +22,9 @@
 ---   creates = [{epoch, num_tokens, root_hash (hex), block_hashes = [hex per full block],
 ---     tier_loads (the caller runs the answer's loads: the lookup goes on into the lower tiers),
 ---     fetch (optional: {from, n}: another pool holds the chain's blocks from .. from + n - 1
----     pinned for a fetch, DESIGN §13; the lookup goes on through those)}]
+---     pinned for a fetch, DESIGN §13; the lookup goes on through those), migrate (optional:
+---     a live sequence moved here, all of whose blocks another pool holds pinned: the
+---     lookup covers every block, hashed or not, the last token's too)}]
 --- Returns msgpack {epoch, generation, updates = [{num_tokens, num_committed_blocks, last_hash,
 ---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
 ---   children = [record]}], created = [record], copies = [[src, dst]], tier_orders =
@@ -372,6 +374,10 @@ local function create_sequences(bs, known, stats)
   for ci, c in ipairs(creates) do
     local hs = c.block_hashes
     local max_hit = math.floor((c.num_tokens - 1) / bs)
+    -- (a migration, DESIGN §13: every block is there already, in the source pool; the
+    -- blocks past the hashed ones are fetched too)
+    local last = math.min(max_hit, #hs)
+    if c.migrate then last = math.ceil(c.num_tokens / bs) end
     local rec = {l = lease, t = c.num_tokens, c = #hs, h = c.root_hash, k = 0, st = '', pages = {}, nb = 0, add = {},
                  new = true}
     if #hs > 0 then rec.h = hs[#hs] end
@@ -381,11 +387,11 @@ local function create_sequences(bs, known, stats)
     -- from + n - 1) is fetched from there into a new block (DESIGN §13).
     local dev, lower, remote, n = {}, {}, {}, 0
     local fetch = c.fetch
-    for i = 1, math.min(max_hit, #hs) do
-      local b = pending[hs[i]] or known[hs[i]]
+    for i = 1, last do
+      local b = hs[i] and (pending[hs[i]] or known[hs[i]])
       if not b then
         local t, e = nil, nil
-        if c.tier_loads then t, e = TIER.hit(hs[i]) end
+        if c.tier_loads and hs[i] then t, e = TIER.hit(hs[i]) end
         if t then
           lower[i] = {t, e}
         elseif fetch and i >= fetch.from and i < fetch.from + fetch.n then
@@ -426,9 +432,11 @@ local function create_sequences(bs, known, stats)
       end
       add[i] = b
     end
-    rec.k = n * bs
-    stats.prefix_queried_tokens = stats.prefix_queried_tokens + c.num_tokens
-    stats.prefix_hit_tokens = stats.prefix_hit_tokens + rec.k
+    rec.k = math.min(n * bs, c.num_tokens)
+    if not c.migrate then
+      stats.prefix_queried_tokens = stats.prefix_queried_tokens + c.num_tokens
+      stats.prefix_hit_tokens = stats.prefix_hit_tokens + rec.k
+    end
     made[#made + 1] = rec
   end
   return made
