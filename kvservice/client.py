@@ -432,8 +432,8 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         """Moves a live sequence to another pool (DESIGN §13): a copy of it is made in
         ``pool`` ("": where the allocator places it), whose blocks are filled from the old
         ones by fetch orders (queued for ``take_tier_orders``: run them before computing on
-        the copy), and the old sequence is freed (its blocks stay pinned until the fetches
-        ran). Returns the copy; ``seq`` is freed. Needs ``collect_tier_orders`` (a client
+        the copy), and the old sequence is freed by the allocator (its blocks stay pinned
+        until the fetches ran). Returns the copy; ``seq`` is freed. Needs ``collect_tier_orders`` (a client
         whose workers run the orders).
 
         Raises:
@@ -461,8 +461,37 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
             copy._hashes = list(hashes)
             self._live.add(copy)
         self._add_tier_orders(reply.fetches)
-        self.step(frees=[seq])
+        self._moved(seq)
         return copy
+
+    def _moved(self, seq: Sequence) -> None:
+        """``seq`` was freed by its migration: its blocks leave this client's tables, none
+        for its reserve (the migration's pin holds them)."""
+        with self._lock:
+            if self.local:
+                pj = self._journals[seq.pool]
+                refs = pj.refs
+                for b in seq._table:
+                    r = refs.get(b, 0) - 1
+                    if r > 0:
+                        refs[b] = r
+                    else:
+                        refs.pop(b, None)
+                        pj.hash_of.pop(b, None)
+            seq.freed = True
+            seq._room = 0
+            self._live.discard(seq)
+
+    def leave_pool(self, pool_id: str) -> None:
+        """Stops keeping blocks in reserve in ``pool_id`` (a pool being drained: ``kvservice
+        drain``): the next Syncs give its reserve back and ask for none. Sequences there
+        are the caller's to migrate or free."""
+        with self._lock:
+            pj = self._journals.get(pool_id) if self.local else None
+            if pj is not None:
+                pj.leaving = True
+        if self.local:
+            self.flush()
 
     def _committed_hashes(self, seq: Sequence) -> list[bytes]:
         """The hash of each committed block of ``seq``, as this client recorded them."""
@@ -526,6 +555,14 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
             token = reply.next_page_token
             if not token:
                 return out
+
+    def drain_pool(self, pool_id: str, *, undo: bool = False) -> pb.Pool:
+        """Admin: marks a pool as being drained (``DrainPool``), or no more (``undo``)."""
+        return self._call(self.stub.DrainPool, pb.DrainPoolRequest(pool_id=pool_id, undo=undo), idempotent=True)
+
+    def unregister_pool(self, pool_id: str, *, force: bool = False) -> pb.UnregisterPoolResponse:
+        """Admin: removes a drained pool from the registry (``UnregisterPool``)."""
+        return self._call(self.stub.UnregisterPool, pb.UnregisterPoolRequest(pool_id=pool_id, force=force))
 
     def pool_stats(self, pool_id: str) -> pb.PoolStats:
         return self._call(self.stub.GetPoolStats, pb.GetPoolStatsRequest(pool_id=pool_id), idempotent=True)

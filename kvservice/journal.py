@@ -89,6 +89,9 @@ class PoolJournal:
         #: The quota that kept the last grant below the need, and its limit ("", 0: none).
         self.quota: tuple[str, int] = ("", 0)
         self.returning: list[int] = []
+        #: The pool is being drained (``Client.leave_pool``): its whole reserve goes back
+        #: and no refill is asked for.
+        self.leaving = False
         #: When each pending entry was logged (monotonic), and the lags of acknowledged
         #: entries (logged -> applied, seconds; the most recent LAGS of them).
         self.logged_at: list[float] = []
@@ -219,10 +222,12 @@ class PoolJournal:
         into the message outside it."""
         keep = max(self.cap, self.floor)
         surplus = len(self.reserve) - keep if self.cap and len(self.reserve) > keep else 0
+        if self.leaving:
+            surplus = len(self.reserve)
         if surplus > 0:
             self.returning.extend(self.reserve[:surplus])
             del self.reserve[:surplus]
-        want = self.target() if time.monotonic() >= self.starved_until else 0
+        want = self.target() if time.monotonic() >= self.starved_until and not self.leaving else 0
         sent = self.returning[:self.MAX_RETURNS]
         self.sent_returns = set(sent)
         return {"pool_id": self.pool_id, "epoch": self.epoch, "want_blocks": want,

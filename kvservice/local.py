@@ -277,10 +277,11 @@ class LocalSteps:
                     pool_id, pj.epoch)
 
     def _forget_reregistered(self) -> bool:
-        """Drops the journals of the pools whose epoch moved on (ListPools); whether any."""
+        """Drops the journals of the pools whose epoch moved on, or that left the registry
+        (drained: ``kvservice drain``), as ListPools says; whether any."""
         current = {p.pool_id: p.epoch for p in self.pools()}
         with self._lock:
-            moved = [pid for pid, pj in self._journals.items() if current.get(pid, pj.epoch) != pj.epoch]
+            moved = [pid for pid, pj in self._journals.items() if current.get(pid) != pj.epoch]
             for pool_id in moved:
                 self._forget_pool(pool_id)
         return bool(moved)
@@ -495,7 +496,9 @@ class LocalSteps:
         except (grpc.RpcError, errors.KvsError) as exc:
             err = to_domain_error(exc) if isinstance(exc, grpc.RpcError) else exc
             definitive = True
-            if getattr(err, "reason", "") == "EPOCH_CHANGED" and self._forget_reregistered():
+            gone = getattr(err, "reason", "") == "EPOCH_CHANGED" or (
+                isinstance(err, errors.NotFound) and "is not registered" in str(err))
+            if gone and self._forget_reregistered():
                 self._unanswered = None       # (not the journal's fault: built again without them)
                 with self._lock:
                     for pj in journals:
@@ -534,6 +537,9 @@ class LocalSteps:
                     pj.synced(ack)
                     if not ack.rolled_back and not pj.resyncing:
                         self._heard([(pj.pool_id, ack.generation)])
+                if pj.leaving and not (pj.pending or pj.reserve or pj.returning) and \
+                        not any(s.pool == pj.pool_id for s in self._live):
+                    self._journals.pop(pj.pool_id, None)     # (left: nothing of this client is there)
             self._resyncing = any(j.resyncing for j in self._journals.values())
             self._alive_until = sent_at + fence_seconds(self.lease.ttl_seconds)
 

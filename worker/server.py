@@ -49,6 +49,10 @@ class PoolTakenOver(RuntimeError):
     """The pool id was registered again by someone else: this worker's epoch is stale."""
 
 
+class PoolDrained(RuntimeError):
+    """The pool was drained and unregistered (``kvservice drain``): this worker may stop."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda:0" if cuda_available() else "cpu")
@@ -290,6 +294,8 @@ class Registrar:
                             self.pool_id)
                 await self.register()
             elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                if "drained" in (exc.details() or ""):
+                    raise PoolDrained(exc.details()) from None
                 if await self._registration_lost():
                     log.warning("pool %s is at an older epoch than %d (its Redis lost the registration): "
                                 "registering again", self.pool_id, self.pool.epoch)
@@ -398,6 +404,10 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
     except PoolTakenOver as exc:
         log.error("pool %s was registered again elsewhere; this worker stops: %s", settings.pool_id, exc)
         code = 3
+    except PoolDrained as exc:
+        log.info("pool %s was drained; this worker stops (start it again to serve a new pool): %s",
+                 settings.pool_id, exc)
+        code = 0
     finally:
         await set_serving(health_servicer, False)
         await server.stop(grace=2)

@@ -31,6 +31,8 @@ ROLES: dict[str, frozenset[str]] = {SERVICE + method: frozenset(roles) for metho
     "Step": (TENANT, ADMIN),
     "ForkSequence": (TENANT, ADMIN),
     "MigrateSequence": (TENANT, ADMIN),
+    "DrainPool": (ADMIN,),
+    "UnregisterPool": (ADMIN,),
     "FreeSequences": (TENANT, ADMIN),
     "GetSequence": (TENANT, ADMIN),
     "Sync": (TENANT, ADMIN),

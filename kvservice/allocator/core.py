@@ -150,7 +150,30 @@ class Allocator(StepOps, ReserveOps, TierOps):
         return PoolInfo(pool_id, int(meta["epoch"]), geometry, meta.get("worker_address", ""),
                         int(meta.get("registered_ms", 0)), stats, int(meta.get("heartbeat_ms", 0)),
                         int(meta.get("generation", 0)), int(meta.get("host_entries", 0)),
-                        int(meta.get("disk_entries", 0)))
+                        int(meta.get("disk_entries", 0)), self.store.draining_now(pool_id))
+
+    async def drain_pool(self, pool_id: str, on: bool = True) -> PoolInfo:
+        """Marks a pool as being drained (``kvservice drain``, DESIGN §13): placement passes
+        it over, a create or a migration that names it is refused (FAILED_PRECONDITION,
+        reason DRAINING), and engines move their sequences off it. ``on`` False: it takes
+        sequences again."""
+        info = await self.describe_pool(pool_id)
+        await self.store.set_draining(pool_id, on)
+        info.draining = on
+        return info
+
+    async def unregister_pool(self, pool_id: str, force: bool = False) -> dict[str, int]:
+        """Removes a drained pool from the registry (``unregister_pool.lua``): refused while
+        it holds a sequence, a reserved block or a live read pin, unless ``force``. Its
+        worker learns it from its next heartbeat and stops."""
+        check_pool_arg(pool_id)
+        if not force and not await self.store.draining(pool_id):
+            raise errors.FailedPrecondition(f"pool {pool_id} is not being drained (DrainPool first)",
+                                            reason="NOT_DRAINING")
+        reply = await self.store.unregister_pool(pool_id, force)
+        self._geometry.pop(pool_id, None)
+        self.reap_schedule.forget(pool_id)
+        return {k: int(reply[k]) for k in ("epoch", "sequences", "reserved", "pins")}
 
     async def heartbeat(self, pool_id: str, epoch: int, dead_since_ms: int = 0) -> Heartbeat:
         """Records a worker's heartbeat; returns the epoch, the Redis time, the leases that

@@ -231,6 +231,8 @@ class PoolInfo:
     generation: int = 0
     host_tier_blocks: int = 0
     disk_tier_blocks: int = 0
+    #: being drained (``kvservice drain``): placement passes it over
+    draining: bool = False
 
 
 #: ``<pool>/<epoch>/<n>-<tag>``: ASCII digits only (``str.isdigit`` also takes "²" and

@@ -43,7 +43,7 @@ ALLOCATOR_COMMANDS = (
     "info", "del", "exists", "get", "set", "incr", "unlink", "pexpire", "time",
     "hdel", "hexists", "hget", "hgetall", "hincrby", "hmget", "hscan", "hset", "hlen",
     "llen", "lpop", "rpush", "lrange",
-    "sadd", "smembers",
+    "sadd", "smembers", "srem",
     "zadd", "zcard", "zpopmin", "zrange", "zrangebylex", "zrangebyscore", "zrem", "zremrangebyscore", "zscan",
     "zscore",
 )

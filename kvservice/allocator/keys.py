@@ -56,7 +56,8 @@ of the request and its reply (``scripts/lib/request.lua``). Per lease:
 sequences) and ``kvs:{L:<lease>}:place:<request id>`` (where a request's pool-less creates
 were placed). Per lease and pool: ``kvs:{<pool>}:resync:<lease>``, the state of its
 resync in parts (``scripts/resync.lua``; expires). Per tenant: ``kvs:{T:<tenant>}:leases`` (zset lease id -> deadline: its
-live leases, kept while it has a lease quota). Global: ``kvs:pools`` (the registry of pool ids), ``kvs:pools:next`` (the
+live leases, kept while it has a lease quota). Global: ``kvs:pools`` (the registry of pool ids), ``kvs:pools:draining`` (the pools being
+drained: ``kvservice drain``), ``kvs:pools:next`` (the
 counter of ``pool-<n>`` ids), ``kvs:pools:req:<request id>`` (the id a registration
 without a pool id got), ``kvs:exporter`` (the metrics exporter lease).
 
@@ -70,6 +71,8 @@ from __future__ import annotations
 PREFIX = "kvs"
 POOLS = f"{PREFIX}:pools"
 POOL_COUNTER = f"{PREFIX}:pools:next"
+#: The pools being drained (``kvservice drain``): placement passes them over.
+DRAINING = f"{PREFIX}:pools:draining"
 #: The metrics exporter lease (kvservice.common.metrics): which replica exports the pool series.
 EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",

@@ -148,16 +148,18 @@ class ReserveOps:
                 if got["applied"] >= r.first_entry + offset or got.get("stuck"):
                     break
         offset, part, _ = chunks[-1]
+        draining = await self.store.draining(r.pool_id)      # (a pool being drained grants no block)
         reply = await self._attached(lease_id, r.pool_id, {
             **base, "request_id": request_id, "fingerprint": fingerprint("sync", request) if request_id else "",
-            "first_entry": r.first_entry + offset, "journal": part, "want": r.want_blocks, "returned": returned,
-            "want_sequence_numbers": r.want_sequence_numbers, "need": r.need_blocks}, self.store.sync)
+            "first_entry": r.first_entry + offset, "journal": part, "want": 0 if draining else r.want_blocks,
+            "returned": returned, "want_sequence_numbers": r.want_sequence_numbers,
+            "need": 0 if draining else r.need_blocks}, self.store.sync)
         granted, last = list(reply["granted"]), reply
         orders = tier_orders_of(r.pool_id, reply["epoch"], reply)
         # What a step needs at once, max_blocks_per_call per call (under request ids of their
         # own, so that a resend gets the same blocks).
         k = 0
-        while last["num_reserved"] < r.need_blocks and len(last["granted"]) >= s.max_blocks_per_call:
+        while not draining and last["num_reserved"] < r.need_blocks and len(last["granted"]) >= s.max_blocks_per_call:
             k += 1
             rid = f"{request_id}.need{k}" if request_id else ""
             last = await self._attached(lease_id, r.pool_id, {

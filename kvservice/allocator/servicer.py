@@ -25,7 +25,8 @@ def pool_to_pb(info: PoolInfo) -> pb.Pool:
     out = pb.Pool(pool_id=info.pool_id, epoch=info.epoch, worker_address=info.worker_address,
                   registered_at_ms=info.registered_at_ms, last_heartbeat_ms=info.last_heartbeat_ms,
                   geometry=info.geometry.to_pb(), generation=info.generation,
-                  host_tier_blocks=info.host_tier_blocks, disk_tier_blocks=info.disk_tier_blocks)
+                  host_tier_blocks=info.host_tier_blocks, disk_tier_blocks=info.disk_tier_blocks,
+                  draining=info.draining)
     if info.stats:
         out.stats.CopyFrom(stats_to_pb(info))
     return out
@@ -214,6 +215,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         state = await self.a.get_sequence(request.sequence_id)
         await self.access.sequence(state.lease_id)
         return seq_to_pb(state)
+
+    async def DrainPool(self, request: pb.DrainPoolRequest, context: Any) -> pb.Pool:
+        return pool_to_pb(await self.a.drain_pool(request.pool_id, not request.undo))
+
+    async def UnregisterPool(self, request: pb.UnregisterPoolRequest, context: Any) -> pb.UnregisterPoolResponse:
+        got = await self.a.unregister_pool(request.pool_id, request.force)
+        return pb.UnregisterPoolResponse(epoch=got["epoch"], num_sequences=got["sequences"],
+                                         num_reserved_blocks=got["reserved"])
 
     async def MigrateSequence(self, request: pb.MigrateSequenceRequest, context: Any) -> pb.MigrateSequenceResponse:
         await self.access.lease(request.lease_id)

@@ -122,6 +122,9 @@ class StepOps(RunOps):
             explicit = sorted({c.pool_id for c in creates if c.pool_id})
             for pool_id in explicit:
                 await self.geometry(pool_id)
+                if await self.store.draining(pool_id):
+                    raise errors.FailedPrecondition(f"pool {pool_id} is being drained: it takes no new sequence",
+                                                    reason="DRAINING")
             anywhere = any(not c.pool_id for c in creates)
             candidates = (await self.store.pool_ids(cached=True) or await self.store.pool_ids()) if anywhere \
                 else explicit
@@ -343,10 +346,15 @@ class StepOps(RunOps):
         num_tokens = len(data) // 4
         silence_ms = self.settings.placement_silence * 1000
         found = await self._scan_all(c, data, tenant, scans, c.tier_loads or c.fetches)
+        draining = {p for p in found if await self.store.draining(p)}
         if not found:
             raise errors.FailedPrecondition("no pool is registered")
+        if len(draining) == len(found):
+            raise errors.FailedPrecondition("every pool is being drained", reason="DRAINING")
         scored: list[tuple[bool, float, int, str]] = []
         for pool_id, (_, geo, _, probe) in found.items():
+            if pool_id in draining:
+                continue
             if c.tier_loads:
                 cached = (probe.chain - probe.host - probe.disk + TIER_CREDIT["host"] * probe.host
                           + TIER_CREDIT["disk"] * probe.disk)
@@ -419,8 +427,8 @@ class StepOps(RunOps):
         commits and last hash is made in ``pool_id`` (or where placement puts it: the pool
         of the same geometry with the least load, neither the source nor draining), sharing
         the committed blocks that pool caches and taking new blocks for the rest, each with
-        a fetch order from the source. The source sequence is the caller's to free once the
-        fetches ran. ``block_hashes``: the hash of each committed block, 16 bytes each (the
+        a fetch order from the source; then the source sequence is freed (its blocks stay,
+        held by the pin, until the fetches ran). ``block_hashes``: the hash of each committed block, 16 bytes each (the
         caller's record). Returns the copy, its fetch orders and the destination's
         generation."""
         check_lease_id(lease_id)
@@ -454,7 +462,8 @@ class StepOps(RunOps):
             raise errors.InvalidArgument(f"pool {dest} holds another KV layout than pool {source}: a block of one "
                                          f"cannot fill a block of the other")
         if await self.store.draining(dest):
-            raise errors.FailedPrecondition(f"pool {dest} is draining: it takes no new sequence", reason="DRAINING")
+            raise errors.FailedPrecondition(f"pool {dest} is being drained: it takes no new sequence",
+                                            reason="DRAINING")
         tenant, lease_left = await self._attach(lease_id, [dest])
         pin_id, ttl_ms = secrets.token_hex(16), int(self.settings.fetch_pin_ttl * 1000)
         pinned = await self.store.pin(source, epoch, pin_id, ttl_ms, [], blocks=rec["block_table"])
@@ -475,6 +484,14 @@ class StepOps(RunOps):
             await self._release_unused([(source, epoch, pin_id)], StepOutcome([], [], []))
             raise
         made = seq_state(dest, reply["epoch"], reply["created"][0], lease_id, bs)
+        # The source sequence goes (its blocks stay, held by the pin, until the fetches ran).
+        try:
+            await self.step(lease_id, [Update(sequence_id, free=True)], [],
+                            f"{request_id}.free" if request_id else "")
+        except BaseException:
+            await self.step(lease_id, [Update(made.sequence_id, free=True)], [])
+            await self._release_unused([(source, epoch, pin_id)], StepOutcome([], [], []))
+            raise
         made.block_hashes = tuple(bytes.fromhex(h) for h in hashes)
         orders = []
         for _, position, block in reply.get("fetches") or ():

@@ -140,6 +140,7 @@ class Store:
         self.observe = observe
         self._scripts = {name: redis.register_script(s.source) for name, s in lua.SCRIPTS.items()}
         self._pool_list: tuple[float, list[str]] | None = None
+        self._draining: set[str] = set()     # (read with the pool list)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -265,6 +266,7 @@ class Store:
         else:
             reply = await self._call("register_pool", args, payload)
             await self.redis.sadd(keys.POOLS, pool_id)
+        await self.redis.srem(keys.DRAINING, pool_id)      # (a pool registered anew is not drained)
         self._stale_pool_list(pool_id)
         return reply
 
@@ -273,6 +275,11 @@ class Store:
         kept all the same, to serve while the registry's shard is away."""
         if self._pool_list is not None:
             self._pool_list = (-math.inf, sorted({*self._pool_list[1], *([also] if also else [])}))
+
+    def _forget_pool(self, pool_id: str) -> None:
+        """The pool left the registry: the cached list forgets it."""
+        if self._pool_list is not None:
+            self._pool_list = (-math.inf, [p for p in self._pool_list[1] if p != pool_id])
 
     async def step(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
         """Runs one step script per pool (pipelined); returns each pool's reply or error
@@ -349,19 +356,31 @@ class Store:
                                 {"pool": pool_id, "epoch": epoch, "settled": settled, "release": list(release)})
 
     async def draining(self, pool_id: str) -> bool:
-        """Whether the pool is draining (``kvservice drain``): it takes no new sequence."""
-        return bool(await self.redis.hexists(keys.pool_key(pool_id, "meta"), "draining"))
+        """Whether the pool is being drained (``kvservice drain``): it takes no new
+        sequence. As this replica read the set at most ``POOL_LIST_TTL`` seconds ago."""
+        await self.pool_ids(cached=True)
+        return pool_id in self._draining
 
-    async def set_draining(self, pool_id: str, on: bool) -> bool:
-        """Marks the pool draining (or not); False for a pool not registered."""
-        meta = keys.pool_key(pool_id, "meta")
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hexists(meta, "epoch")
-            pipe.hset(meta, "draining", 1) if on else pipe.hdel(meta, "draining")
-            registered, _ = await pipe.execute()
-        if not registered:
-            await self.redis.hdel(meta, "draining")
-        return bool(registered)
+    def draining_now(self, pool_id: str) -> bool:
+        """``draining`` as last read, without reading."""
+        return pool_id in self._draining
+
+    async def set_draining(self, pool_id: str, on: bool) -> None:
+        """Marks the pool as being drained (or no more)."""
+        await (self.redis.sadd(keys.DRAINING, pool_id) if on else self.redis.srem(keys.DRAINING, pool_id))
+        self._stale_pool_list()
+
+    async def unregister_pool(self, pool_id: str, force: bool = False) -> dict[str, Any]:
+        """Removes a drained pool (``unregister_pool.lua``) from the registry and from the
+        draining set."""
+        args = keys.pool_keys(pool_id)
+        reply = await self._call("unregister_pool", args if self.cluster else args + [keys.POOLS],
+                                 {"pool": pool_id, "force": force})
+        if self.cluster:
+            await self.redis.srem(keys.POOLS, pool_id)
+        await self.redis.srem(keys.DRAINING, pool_id)
+        self._forget_pool(pool_id)
+        return reply
 
     async def pin(self, pool_id: str, epoch: int, pin_id: str, ttl_ms: int, hashes: list[str],
                   blocks: list[int] | None = None) -> list[list[int]]:
@@ -479,8 +498,8 @@ class Store:
         """The registered pools, sorted. ``cached``: the list this replica read at most
         ``POOL_LIST_TTL`` seconds ago (its own registrations refresh it at once), for the
         hot paths (placement, the reaper) that would otherwise read the registry's shard on
-        every create; a pool another replica registers is seen within that time. Pools are
-        never unregistered. While the registry's Redis (shard) is unreachable, ``cached``
+        every create; a pool another replica registers (or drains) is seen within that time.
+        A pool leaves the registry when it is drained (``unregister_pool``). While the registry's Redis (shard) is unreachable, ``cached``
         keeps the list it had (and does not wait more than ``POOL_LIST_WAIT`` for a new
         one), so the pools on the other shards go on being served."""
         now = time.monotonic()
@@ -488,9 +507,8 @@ class Store:
         if stale is not None and now - stale[0] < POOL_LIST_TTL:
             return stale[1]
         try:
-            read = self.redis.smembers(keys.POOLS)
-            members = await (asyncio.wait_for(read, POOL_LIST_WAIT) if stale is not None else read)
-            ids = sorted(m.decode() for m in members)
+            read = self._read_registry()
+            ids = await (asyncio.wait_for(read, POOL_LIST_WAIT) if stale is not None else read)
         except (*REDIS_DOWN, asyncio.TimeoutError):
             if stale is not None:
                 # The registry's shard is away: the pools known so far, for another while.
@@ -499,6 +517,12 @@ class Store:
             raise
         self._pool_list = (now, ids)
         return ids
+
+    async def _read_registry(self) -> list[str]:
+        """The registry, sorted; the draining set goes to ``_draining``."""
+        members = await self.redis.smembers(keys.POOLS)
+        self._draining = {m.decode() for m in await self.redis.smembers(keys.DRAINING)}
+        return sorted(m.decode() for m in members)
 
     async def generation(self, pool_id: str) -> int:
         """The pool's generation as last recorded (a script run now may begin a new one:

@@ -8,15 +8,20 @@
 ---   [lease ids, oldest first, at most max_dead], dead_until_ms (the tombstone time of
 ---   the last one, or dead_since_ms)};
 ---   or an error (lib/codec): NOT_FOUND, FAILED_PRECONDITION {epoch} (reason
----   EPOCH_CHANGED: the pool was re-registered).
+---   EPOCH_CHANGED: the pool was re-registered; reason DRAINED: it was drained and
+---   unregistered, scripts/unregister_pool.lua).
 --- @include "lib/time"
 --- @include "lib/codec"
 --- @include "lib/generation"
 
 local K_META, K_DEAD = KEYS[1], KEYS[2]
 local p = args()
-local m = redis.call('HMGET', K_META, 'epoch', 'num_blocks', 'generation', 'server')
+local m = redis.call('HMGET', K_META, 'epoch', 'num_blocks', 'generation', 'server', 'drained')
 local current = tonumber(m[1])
+if m[5] and tonumber(m[5]) == p.epoch then
+  return error_reply({code = 'FAILED_PRECONDITION', extra = {epoch = current, reason = 'DRAINED'},
+    message = 'pool ' .. p.pool .. ' was drained and unregistered (kvservice drain): its worker may stop'})
+end
 if not current or not m[2] then
   return error_reply({code = 'NOT_FOUND', message = 'pool ' .. p.pool .. ' is not registered'})
 end

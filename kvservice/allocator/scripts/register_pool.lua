@@ -48,7 +48,7 @@ redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block
   'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now, 'geometry', geometry,
   'host_entries', p.host_entries, 'disk_entries', p.disk_entries)
-redis.call('HDEL', K_META, 'heartbeat_ms')
+redis.call('HDEL', K_META, 'heartbeat_ms', 'drained')
 redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
 local gen = begin_generation(K_META, server_run_id())
 if K_REGISTRY then redis.call('SADD', K_REGISTRY, p.pool) end
