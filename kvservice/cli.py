@@ -152,6 +152,12 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _drain(args: argparse.Namespace) -> int:
+    from kvservice.tools.drain import main as drain_main
+
+    return drain_main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvservice.tools.bench import main as bench_main
 
@@ -295,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default="", help="audit one pool (default: every pool)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a report")
     p.set_defaults(func=_audit)
+
+    from kvservice.tools import drain
+    p = sub.add_parser("drain", help="move every sequence off a pool and unregister it, so that its worker can "
+                                     "restart with no request lost", description=drain.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    drain.add_arguments(p)
+    p.set_defaults(func=_drain)
 
     p = sub.add_parser("health", help="ask a server (allocator or worker) for its gRPC health; exit 0 if SERVING "
                                       "(TLS from KVSERVICE_TLS_CA, _CLIENT_CERT, _CLIENT_KEY)")

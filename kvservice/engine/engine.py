@@ -126,6 +126,9 @@ class Engine(Scheduler, ForwardPath, TierPath):
         #: Pools whose worker failed a step, and when: a request that asks for one is placed
         #: elsewhere for ``LOST_POOL_S`` (``_pool_of``).
         self._lost_pools: dict[str, float] = {}
+        #: Pools being drained (``_follow_drains``), and when the pool list was last read.
+        self._draining: set[str] = set()
+        self._drains_checked = 0.0
         self._admit_order, self._hold, self._solo = itertools.count(1), False, False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -303,6 +306,7 @@ class Engine(Scheduler, ForwardPath, TierPath):
         per worker."""
         r = self.report
         r.steps += 1
+        self._follow_drains()
         self._recompute_lost()
         appends: dict[Sequence, list[int]] = {}
         forks: dict[Sequence, list[list[int]]] = {}

@@ -23,6 +23,8 @@ log = logging.getLogger("kvservice.engine")
 
 #: After a worker failed a step, the loop waits this long (seconds) before the next one.
 LOST_WORKER_PAUSE_S = 0.1
+#: How often the engine reads the pool list for pools being drained (seconds).
+DRAIN_CHECK_S = 1.0
 #: The channels to the workers: large tensors; a connection attempt to a worker that is
 #: gone gives up after 2 s, not gRPC's default 20 s (a killed container's address drops
 #: packets: its steps fail, and are recomputed elsewhere, that much sooner).
@@ -60,6 +62,53 @@ class ForwardPath:
             self._stubs[p.pool_id] = stub
         if not self._stubs or len(models) > 1:
             raise RuntimeError(f"need pools with workers that serve one model; found {sorted(models)}")
+
+    def _follow_drains(self) -> None:
+        """Every ``DRAIN_CHECK_S``: the pools being drained (``kvservice drain``, DESIGN §13)
+        take nothing new from this engine; its reserve there goes back
+        (``Client.leave_pool``), and each of its sequences there moves to another pool
+        (``Sequence.migrate``: the copy's blocks are fetched before its next forward, so the
+        request pauses for that step's fetch at most); one whose prompt is not computed yet,
+        or that no pool can take now, is recomputed elsewhere. A pool that left the
+        registry is forgotten."""
+        now = time.monotonic()
+        if now - self._drains_checked < DRAIN_CHECK_S:
+            return
+        self._drains_checked = now
+        try:
+            listed = {p.pool_id: p for p in self.client.pools()}
+        except errors.KvsError as exc:
+            log.warning("reading the pool list failed (%s: %s): drains are followed later", type(exc).__name__, exc)
+            return
+        for pool in [p for p in self._stubs if p not in listed]:      # (unregistered: drained)
+            self._stubs.pop(pool, None)
+            self._num_blocks.pop(pool, None)
+        draining = {pool for pool, p in listed.items() if p.draining and pool in self._stubs}
+        for pool in draining - self._draining:
+            log.info("pool %s is being drained: its sequences move to other pools", pool)
+            self.client.leave_pool(pool)
+        self._draining = draining
+        if not draining:
+            return
+        for job in list(self._running):
+            seqs = [b for b in job.branches if b.seq is not None and b.seq.pool in draining]
+            if not seqs:
+                continue
+            if any(b.state != DECODE for b in seqs):
+                self._requeue(job)          # (a prompt not computed yet: computed elsewhere)
+                continue
+            for b in seqs:
+                old = b.seq
+                try:
+                    b.seq = self.client.migrate(old)
+                except errors.KvsError as exc:
+                    log.warning("sequence %s could not move off pool %s (%s: %s): recomputed elsewhere", old.id,
+                                old.pool, type(exc).__name__, exc)
+                    self._requeue(job)
+                    break
+                self._live.pop(old.id, None)
+                self._live[b.seq.id] = b.seq
+                self.report.migrated_sequences += 1
 
     def _forward(self, result: StepResult, before: dict) -> int:
         """Builds each pool's ForwardRequest, calls the workers in parallel, applies the

@@ -157,6 +157,7 @@ class Report:
         loaded_blocks, load_failures, offloaded_blocks: blocks loaded from a lower tier
             (prefix hits there), loads that failed their checksum (recomputed), and blocks
             copied down a tier, by the workers (DESIGN §12).
+        migrated_sequences: sequences moved off a pool being drained (DESIGN §13).
         fetched_blocks, fetch_failures: blocks filled from another pool's worker (a prefix
             cached there, DESIGN §13), and blocks not fetched (the source gone, a checksum,
             the destination's worker gone): recomputed.
@@ -181,6 +182,7 @@ class Report:
     offloaded_blocks: int = 0
     fetched_blocks: int = 0
     fetch_failures: int = 0
+    migrated_sequences: int = 0
     failed: int = 0
     cancelled: int = 0
     seconds: float = 0.0

@@ -103,7 +103,7 @@ class Scheduler:
         """The pool a request asks for (``Request.pool``), unless the engine has no worker
         for it or its worker failed a step within ``LOST_POOL_S``; else "" (placed)."""
         pool = req.pool
-        if not pool or pool not in self._stubs:
+        if not pool or pool not in self._stubs or pool in self._draining:
             return ""
         lost = self._lost_pools.get(pool)
         return "" if lost is not None and time.monotonic() - lost < LOST_POOL_S else pool
@@ -118,7 +118,10 @@ class Scheduler:
         # Local mode: the lease's reserve holds blocks in no table, which creates cannot take
         # (the SDK counts them over all pools: an overestimate for each pool).
         reserved = self.client.reserved_blocks() if self.local else 0
-        avail = {p: self._num_blocks[p] - self._used_blocks(p) - reserved for p in self._stubs}
+        avail = {p: self._num_blocks[p] - self._used_blocks(p) - reserved for p in self._stubs
+                 if p not in self._draining}
+        if not avail:
+            return creates
         for s in appends:
             if s.pool in avail and (s.num_tokens % s.block_size == 0 or s in forks):
                 avail[s.pool] -= 1 + len(forks.get(s, ()))
