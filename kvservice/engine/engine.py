@@ -126,9 +126,11 @@ class Engine(Scheduler, ForwardPath, TierPath):
         #: Pools whose worker failed a step, and when: a request that asks for one is placed
         #: elsewhere for ``LOST_POOL_S`` (``_pool_of``).
         self._lost_pools: dict[str, float] = {}
-        #: Pools being drained (``_follow_drains``), and when the pool list was last read.
+        #: Pools being drained (``_follow_drains``); the pool list as the watcher last read it.
         self._draining: set[str] = set()
-        self._drains_checked = 0.0
+        self._listed_pools: dict | None = None
+        self._pool_watch: threading.Thread | None = None
+        self._closing = threading.Event()
         self._admit_order, self._hold, self._solo = itertools.count(1), False, False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -148,6 +150,9 @@ class Engine(Scheduler, ForwardPath, TierPath):
             self._wake.set()
             self._thread.join()
             self._thread = None
+        self._closing.set()
+        if self._pool_watch is not None:
+            self._pool_watch.join()
         self._executor.shutdown(wait=True)
         for c in [*self._channels, self.client]:
             c.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from array import array
 
@@ -16,6 +17,7 @@ from kvservice.client import StepResult
 from kvservice.engine.requests import DECODE, DONE, FORK, LENGTH, PREFILL, STOP, Output, Request, _Branch, _Job
 from kvservice.engine.text import Tokenizer
 from kvservice.rpc import to_domain_error
+from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import worker_pb2 as wpb
 from kvservice.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -64,23 +66,21 @@ class ForwardPath:
             raise RuntimeError(f"need pools with workers that serve one model; found {sorted(models)}")
 
     def _follow_drains(self) -> None:
-        """Every ``DRAIN_CHECK_S``: the pools being drained (``kvservice drain``, DESIGN §13)
-        take nothing new from this engine; its reserve there goes back
+        """The pools being drained (``kvservice drain``, DESIGN §13), as the pool watcher
+        last read them (``_watch_pools``, a background thread: no call on the step's
+        path): they take nothing new from this engine; its reserve there goes back
         (``Client.leave_pool``), and each of its sequences there moves to another pool
         (``Sequence.migrate``: the copy's blocks are fetched before its next forward, so the
         request pauses for that step's fetch at most); one whose prompt is not computed yet,
         or that no pool can take now, is recomputed elsewhere. A pool that left the
         registry is forgotten."""
-        now = time.monotonic()
-        if now - self._drains_checked < DRAIN_CHECK_S:
+        if self._pool_watch is None:
+            self._pool_watch = threading.Thread(target=self._watch_pools, name="kvs-pools", daemon=True)
+            self._pool_watch.start()
+        listed = self._listed_pools
+        if listed is None:
             return
-        self._drains_checked = now
-        try:
-            listed = {p.pool_id: p for p in self.client.pools()}
-        except errors.KvsError as exc:
-            log.warning("reading the pool list failed (%s: %s): drains are followed later", type(exc).__name__, exc)
-            return
-        for pool in [p for p in self._stubs if p not in listed]:      # (unregistered: drained)
+        for pool in [p for p in self._draining if p not in listed]:      # (drained: unregistered)
             self._stubs.pop(pool, None)
             self._num_blocks.pop(pool, None)
         draining = {pool for pool, p in listed.items() if p.draining and pool in self._stubs}
@@ -109,6 +109,23 @@ class ForwardPath:
                 self._live.pop(old.id, None)
                 self._live[b.seq.id] = b.seq
                 self.report.migrated_sequences += 1
+
+    def _watch_pools(self) -> None:
+        """Reads the pool list every ``DRAIN_CHECK_S`` for ``_follow_drains`` until the
+        engine closes."""
+        while not self._closing.wait(DRAIN_CHECK_S):
+            try:
+                pools, token = {}, ""
+                while True:
+                    reply = self.client.stub.ListPools(pb.ListPoolsRequest(page_size=1000, page_token=token),
+                                                       timeout=self.timeout)
+                    pools.update((p.pool_id, p) for p in reply.pools)
+                    token = reply.next_page_token
+                    if not token:
+                        break
+                self._listed_pools = pools
+            except grpc.RpcError as exc:
+                log.warning("reading the pool list failed (%s): drains are followed later", exc.code().name)
 
     def _forward(self, result: StepResult, before: dict) -> int:
         """Builds each pool's ForwardRequest, calls the workers in parallel, applies the
