@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from chats import NAME, metric, turns
+from chats import NAME, STEPS, metric, turns
 from kvservice.engine import Engine
 from kvservice.tools.launcher import Stack
 from worker import weights
@@ -101,3 +101,21 @@ def test_a_source_killed_mid_fetch_is_recomputed_and_leaves_no_pin(reference):
         with sync_redis(stack.redis.admin_url) as r:        # (released by the engine once the fetch ran)
             assert r.hgetall(keys.pool_key(source.pool_id, "pins")) == {}
         assert stack.audit(stack.workers[1].pool_id).ok
+
+
+def test_disaggregated_prefill_and_decode_equal_transformers(reference):
+    """A prefill worker and a decode worker: every prompt is computed on the first, its
+    sequence then moves to the second (its blocks fetched), which decodes it; the answers
+    equal transformers'."""
+    with Stack(2, model=NAME, block_size=16, num_blocks=512, roles=("prefill", "decode")) as stack, \
+            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+        reports = turns(engine, reference, conversations=2, turns=2, systems=DOCUMENTS[:2])
+        moved = [r.migrated_sequences for r in reports]
+        print(f"disaggregated: {moved} sequences moved from the prefill to the decode worker, "
+              f"{sum(r.fetched_blocks for r in reports)} blocks fetched")
+        assert moved == [2, 2] and all(r.fetch_failures == 0 for r in reports)
+        # The decode worker computed no prompt: it fed one token per sequence and step.
+        fed = [metric(w.metrics_url, "kvservice_worker_forward_tokens_total") for w in stack.workers]
+        prompt_tokens = sum(c.num_prompt_tokens for r in reports for c in r.completions)
+        assert fed[0] >= sum(r.prefill_tokens for r in reports) and fed[1] <= 2 * 2 * STEPS, (fed, prompt_tokens)
+        assert stack.audit().ok

@@ -91,3 +91,14 @@ def test_a_migration_shares_what_the_destination_caches_and_a_refused_one_change
     assert not copy.freed and not c.take_tier_orders()
     assert c.pool_stats("a").num_used_blocks == 0 and c.pool_stats("b").num_used_blocks == 4 and audit(url) == []
     copy.free()
+
+
+def test_a_lease_that_never_held_anything_in_the_destination_is_attached_there(pools):
+    server, c, url = pools
+    s = c.create(PROMPT)                           # (placed: the lease is attached to both pools' records)
+    other = "b" if s.pool == "a" else "a"
+    copy = s.migrate(other)
+    assert copy.pool == other and len(c.take_tier_orders()) == 4
+    copy.free()
+    c.flush()
+    assert c.pool_stats(other).num_sequences == 0

@@ -65,6 +65,9 @@ class WorkerSettings(EnvSettings):
     disk_tier_dir: str = ""
     #: The disk tier's size, GB (with disk_tier_dir).
     disk_tier_gb: float = 1.0
+    #: What the engine runs on this worker's pool (DESIGN §13): "both"; "prefill" (prompts
+    #: are computed here, then their sequences move to a decode worker); "decode".
+    role: str = "both"
     #: Seconds between heartbeats to the allocator.
     heartbeat_interval: float = 2.0
     #: Give up registering after this many seconds (0: keep trying).
@@ -105,6 +108,8 @@ class WorkerSettings(EnvSettings):
         if not (0 <= self.host_tier_gb < 1e6) or not (0 < self.disk_tier_gb < 1e6):
             raise ValueError(f"host_tier_gb must be >= 0 and disk_tier_gb > 0 (GB), got {self.host_tier_gb} "
                              f"and {self.disk_tier_gb}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.disk_tier_dir and not self.host_tier_gb:
             raise ValueError("a disk tier (disk_tier_dir) keeps blocks evicted from the host tier: "
                              "give host_tier_gb too")

@@ -213,9 +213,10 @@ class Registrar:
 
     def __init__(self, pool: KVPool, pool_id: str, allocator: str, advertise: str, timeout: float,
                  credentials: ClientCredentials | None = None, fence: LeaseFence | None = None,
-                 tiers: Tiers | None = None) -> None:
+                 tiers: Tiers | None = None, role: str = "both") -> None:
         self.pool = pool
         self.tiers = tiers
+        self.role = role
         self.fence = fence if fence is not None else LeaseFence()
         self.pool_id = pool_id
         self.address = advertise
@@ -232,7 +233,7 @@ class Registrar:
         s = self.pool.shape
         request = allocator_pb2.RegisterPoolRequest(
             pool_id=self.pool_id, worker_address=self.address, request_id=uuid.uuid4().hex,
-            geometry=s.geometry.to_pb())
+            geometry=s.geometry.to_pb(), role=self.role)
         if self.tiers is not None:
             host, disk = self.tiers.host, self.tiers.disk
             request.host_tier_blocks = host.num_entries if host else 0
@@ -377,7 +378,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         if settings.allocator:
             advertise = settings.advertise or f"{settings.host}:{port}"
             registrar = Registrar(pool, settings.pool_id, settings.allocator, advertise, settings.register_timeout,
-                                  credentials, fence, tiers)
+                                  credentials, fence, tiers, settings.role)
             if sources is not None:
                 sources.describe = registrar.describe
             registering = asyncio.ensure_future(registrar.register())

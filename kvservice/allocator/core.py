@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 REAP_CONCURRENCY = 16
 REAP_CALL_TIMEOUT = 2.0
 DEFAULT_PAGE, MAX_PAGE = 100, 1000
+#: What the engine runs on a pool (RegisterPoolRequest.role, DESIGN §13).
+ROLES = ("both", "prefill", "decode")
 
 
 class Allocator(StepOps, ReserveOps, TierOps):
@@ -49,6 +51,7 @@ class Allocator(StepOps, ReserveOps, TierOps):
         self.settings = settings or Settings()
         self._geometry: dict[str, tuple[int, Geometry]] = {}
         self.reap_schedule = ReapSchedule(self.settings.reap_recheck)
+        self._roles: dict[str, str] = {}            # pool -> role (RegisterPoolRequest.role)
         self._leases: dict[str, tuple[str, set[str]]] = {}   # lease -> (tenant, attached pools)
         self._sequence_ids: dict[str, tuple[str, int, int, str, str, str]] = {}   # parsed ids of recent steps
         #: Leases this replica granted (retries of one request count once); read by metrics.
@@ -66,9 +69,12 @@ class Allocator(StepOps, ReserveOps, TierOps):
 
     async def register_pool(self, pool_id: str, geometry: Geometry, worker_address: str = "",
                             request_id: str = "", host_tier_blocks: int = 0, disk_tier_blocks: int = 0,
-                            disk_tier_kept: bool = False) -> PoolInfo:
+                            disk_tier_kept: bool = False, role: str = "") -> PoolInfo:
         if pool_id:
             check_pool_arg(pool_id)
+        role = role or "both"
+        if role not in ROLES:
+            raise errors.InvalidArgument(f"role must be one of {', '.join(ROLES)}, got {echo(role)}")
         geometry.check()
         check_request_id(request_id)
         if len(worker_address) > 256:
@@ -83,14 +89,15 @@ class Allocator(StepOps, ReserveOps, TierOps):
                    "num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads,
                    "head_dim": geometry.head_dim, "dtype": geometry.dtype,
                    "worker_address": worker_address, "host_entries": host_tier_blocks,
-                   "disk_entries": disk_tier_blocks, "disk_kept": bool(disk_tier_kept)}
+                   "disk_entries": disk_tier_blocks, "disk_kept": bool(disk_tier_kept), "role": role}
         payload["fingerprint"] = fingerprint("register", payload)
         reply = await self.store.register_pool(payload)
         self._geometry[pool_id] = (int(reply["epoch"]), geometry)
+        self._roles[pool_id] = role
         log.info("pool %s registered: epoch %s, %d blocks of %d tokens", pool_id, reply["epoch"],
                  geometry.num_blocks, geometry.block_size)
         return PoolInfo(pool_id, int(reply["epoch"]), geometry, worker_address, int(reply["registered_ms"]),
-                        generation=int(reply["generation"]))
+                        generation=int(reply["generation"]), role=role)
 
     async def list_pools(self) -> list[PoolInfo]:
         """Every pool (read a page of ``FAN_OUT`` at a time)."""
@@ -141,6 +148,7 @@ class Allocator(StepOps, ReserveOps, TierOps):
         meta = counts["meta"]
         geometry = geometry_of(meta)
         self._geometry[pool_id] = (int(meta["epoch"]), geometry)
+        self._roles[pool_id] = meta.get("role", "both")
         stats: dict[str, Any] = {k: v for k, v in counts.items() if k.startswith("num_")}
         stats.update(counts["stats"])
         stats["tiers"] = tier_stats(meta, counts)
@@ -150,7 +158,8 @@ class Allocator(StepOps, ReserveOps, TierOps):
         return PoolInfo(pool_id, int(meta["epoch"]), geometry, meta.get("worker_address", ""),
                         int(meta.get("registered_ms", 0)), stats, int(meta.get("heartbeat_ms", 0)),
                         int(meta.get("generation", 0)), int(meta.get("host_entries", 0)),
-                        int(meta.get("disk_entries", 0)), self.store.draining_now(pool_id))
+                        int(meta.get("disk_entries", 0)), self.store.draining_now(pool_id),
+                        meta.get("role", "both"))
 
     async def drain_pool(self, pool_id: str, on: bool = True) -> PoolInfo:
         """Marks a pool as being drained (``kvservice drain``, DESIGN §13): placement passes
@@ -195,7 +204,12 @@ class Allocator(StepOps, ReserveOps, TierOps):
                 self._geometry.pop(pool_id, None)
                 raise errors.NotFound(f"pool {pool_id} is not registered")
             self._geometry[pool_id] = (int(meta["epoch"]), geometry_of(meta))
+            self._roles[pool_id] = meta.get("role", "both")
         return self._geometry[pool_id]
+
+    def role(self, pool_id: str) -> str:
+        """The pool's role as last read with its geometry ("both" if unknown)."""
+        return self._roles.get(pool_id, "both")
 
     # ------------------------------------------------------------ leases
 

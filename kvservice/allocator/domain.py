@@ -233,6 +233,8 @@ class PoolInfo:
     disk_tier_blocks: int = 0
     #: being drained (``kvservice drain``): placement passes it over
     draining: bool = False
+    #: "both", "prefill" or "decode" (RegisterPoolRequest.role)
+    role: str = "both"
 
 
 #: ``<pool>/<epoch>/<n>-<tag>``: ASCII digits only (``str.isdigit`` also takes "²" and

@@ -26,7 +26,7 @@ def pool_to_pb(info: PoolInfo) -> pb.Pool:
                   registered_at_ms=info.registered_at_ms, last_heartbeat_ms=info.last_heartbeat_ms,
                   geometry=info.geometry.to_pb(), generation=info.generation,
                   host_tier_blocks=info.host_tier_blocks, disk_tier_blocks=info.disk_tier_blocks,
-                  draining=info.draining)
+                  draining=info.draining, role=info.role)
     if info.stats:
         out.stats.CopyFrom(stats_to_pb(info))
     return out
@@ -127,7 +127,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         Access.pool(request.pool_id, "RegisterPool")
         info = await self.a.register_pool(request.pool_id, Geometry.from_pb(request.geometry), request.worker_address,
                                           request.request_id, request.host_tier_blocks, request.disk_tier_blocks,
-                                          request.disk_tier_kept)
+                                          request.disk_tier_kept, request.role)
         return pool_to_pb(await self.a.describe_pool(info.pool_id))
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Any) -> pb.ListPoolsResponse:

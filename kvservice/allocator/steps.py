@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from kvservice import errors
 from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, check_request_id, commit_payload,
                                         epoch_error, fingerprint, seq_state)
-from kvservice.allocator.codec import STALE_EPOCH, TOO_BIG, ScriptError
+from kvservice.allocator.codec import LEASE_UNKNOWN, STALE_EPOCH, TOO_BIG, ScriptError
 from kvservice.allocator.generations import KNOWN_GENERATIONS, known_generation
 from kvservice.allocator.runs import Probe, RunOps
 from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
@@ -346,14 +346,18 @@ class StepOps(RunOps):
         num_tokens = len(data) // 4
         silence_ms = self.settings.placement_silence * 1000
         found = await self._scan_all(c, data, tenant, scans, c.tier_loads or c.fetches)
-        draining = {p for p in found if await self.store.draining(p)}
         if not found:
             raise errors.FailedPrecondition("no pool is registered")
-        if len(draining) == len(found):
+        # (passed over: pools being drained; decode pools while a prefill or both pool is up)
+        skip = {p for p in found if await self.store.draining(p)}
+        if len(skip) == len(found):
             raise errors.FailedPrecondition("every pool is being drained", reason="DRAINING")
+        decode_only = {p for p in found if self.role(p) == "decode"} - skip
+        if decode_only != set(found) - skip:
+            skip |= decode_only
         scored: list[tuple[bool, float, int, str]] = []
         for pool_id, (_, geo, _, probe) in found.items():
-            if pool_id in draining:
+            if pool_id in skip:
                 continue
             if c.tier_loads:
                 cached = (probe.chain - probe.host - probe.disk + TIER_CREDIT["host"] * probe.host
@@ -471,11 +475,15 @@ class StepOps(RunOps):
         create = {"epoch": dest_epoch, "num_tokens": rec["num_tokens"], "root_hash": rec["last_hash"],
                   "block_hashes": hashes,
                   "tier_loads": False, "fetch": {"from": 1, "n": len(pinned)}, "migrate": True}
-        payload = self._step_payload(dest, [], [create], lease_id, tenant, lease_left, request_id,
-                                     fingerprint("migrate", [lease_id, sequence_id, dest, block_hashes])
-                                     if request_id else "")
+        digest = fingerprint("migrate", [lease_id, sequence_id, dest, block_hashes]) if request_id else ""
         try:
-            reply = (await self.store.step([payload]))[0]
+            for _ in range(2):
+                payload = self._step_payload(dest, [], [create], lease_id, tenant, lease_left, request_id, digest)
+                reply = (await self.store.step([payload]))[0]
+                if not (isinstance(reply, ScriptError) and reply.code == LEASE_UNKNOWN):
+                    break
+                self._leases.pop(lease_id, None)      # (the pool does not know the lease yet: attach it)
+                tenant, lease_left = await self._attach(lease_id, [dest])
             if isinstance(reply, ScriptError):      # (re-registered meanwhile, or more than one call's work)
                 raise errors.FailedPrecondition(f"pool {dest} changed during the migration ({reply.code}); retry")
             if isinstance(reply, Exception):
@@ -505,7 +513,8 @@ class StepOps(RunOps):
     async def _migration_target(self, source: str, geo: Geometry, hashes: list[str]) -> str:
         """Where a migrating sequence goes when the caller names no pool: among the pools of
         the same KV layout but its own and the draining ones, the one that caches most of its
-        committed blocks less its load (``_place``'s cost), then the most blocks available."""
+        committed blocks less its load (``_place``'s cost), then the most blocks available; a
+        prefill pool (``RegisterPoolRequest.role``) only if no other can take it."""
         scored = []
         for pool_id in await self.store.pool_ids(cached=True):
             if pool_id == source:
@@ -517,10 +526,11 @@ class StepOps(RunOps):
             if not _same_kv(g, geo) or await self.store.draining(pool_id):
                 continue
             probe = await self._probe_prefix(pool_id, epoch, hashes)
-            scored.append(((probe.sequences - probe.hits), -probe.available, pool_id))
+            # (a prefill pool only when no decode or both pool can take it)
+            scored.append((self.role(pool_id) == "prefill", probe.sequences - probe.hits, -probe.available, pool_id))
         if not scored:
             raise errors.FailedPrecondition(f"no other pool of pool {source}'s KV layout takes new sequences")
-        return min(scored)[2]
+        return min(scored)[3]
 
     def _collect_applied(self, pool_id: str, items: dict[str, list], applied: dict[int, dict[str, Any]],
                          outcome: StepOutcome) -> None:

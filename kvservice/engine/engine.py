@@ -126,8 +126,10 @@ class Engine(Scheduler, ForwardPath, TierPath):
         #: Pools whose worker failed a step, and when: a request that asks for one is placed
         #: elsewhere for ``LOST_POOL_S`` (``_pool_of``).
         self._lost_pools: dict[str, float] = {}
-        #: Pools being drained (``_follow_drains``); the pool list as the watcher last read it.
+        #: Pools being drained (``_move_sequences``); the pool list as the watcher last read
+        #: it; each pool's role (both, prefill, decode: RegisterPoolRequest.role).
         self._draining: set[str] = set()
+        self._roles: dict[str, str] = {}
         self._listed_pools: dict | None = None
         self._pool_watch: threading.Thread | None = None
         self._closing = threading.Event()
@@ -311,7 +313,7 @@ class Engine(Scheduler, ForwardPath, TierPath):
         per worker."""
         r = self.report
         r.steps += 1
-        self._follow_drains()
+        self._move_sequences()
         self._recompute_lost()
         appends: dict[Sequence, list[int]] = {}
         forks: dict[Sequence, list[list[int]]] = {}

@@ -44,6 +44,7 @@ class ForwardPath:
         for p in self.client.pools():
             self._num_blocks[p.pool_id] = p.geometry.num_blocks
             self._block_size[p.pool_id] = p.geometry.block_size
+            self._roles[p.pool_id] = p.role or "both"
             if p.pool_id in self._stubs or not p.worker_address:
                 continue
             channel = self.credentials.channel(p.worker_address, [*WORKER_CHANNEL_OPTIONS])
@@ -65,38 +66,47 @@ class ForwardPath:
         if not self._stubs or len(models) > 1:
             raise RuntimeError(f"need pools with workers that serve one model; found {sorted(models)}")
 
-    def _follow_drains(self) -> None:
-        """The pools being drained (``kvservice drain``, DESIGN §13), as the pool watcher
-        last read them (``_watch_pools``, a background thread: no call on the step's
-        path): they take nothing new from this engine; its reserve there goes back
-        (``Client.leave_pool``), and each of its sequences there moves to another pool
-        (``Sequence.migrate``: the copy's blocks are fetched before its next forward, so the
-        request pauses for that step's fetch at most); one whose prompt is not computed yet,
-        or that no pool can take now, is recomputed elsewhere. A pool that left the
-        registry is forgotten."""
+    def _move_sequences(self) -> None:
+        """Sequences that leave their pool (DESIGN §13), at the start of a step, as the
+        pool watcher last read the pool list (``_watch_pools``, a background thread: no
+        call on the step's path):
+
+        - a pool being drained (``kvservice drain``) takes nothing new from this engine; its
+          reserve there goes back (``Client.leave_pool``), each decoding sequence there
+          moves to another pool, and a request whose prompt is not computed yet is computed
+          elsewhere; a pool that left the registry is forgotten;
+        - disaggregated prefill / decode: a sequence that finished its prompt on a
+          ``prefill`` pool moves to a ``decode`` (or ``both``) pool.
+
+        A move is ``Sequence.migrate``: the copy's blocks are fetched before the next
+        forward, so the request pauses for that step's fetch at most; one that no pool can
+        take now is recomputed elsewhere."""
         if self._pool_watch is None:
             self._pool_watch = threading.Thread(target=self._watch_pools, name="kvs-pools", daemon=True)
             self._pool_watch.start()
         listed = self._listed_pools
-        if listed is None:
-            return
-        for pool in [p for p in self._draining if p not in listed]:      # (drained: unregistered)
-            self._stubs.pop(pool, None)
-            self._num_blocks.pop(pool, None)
-        draining = {pool for pool, p in listed.items() if p.draining and pool in self._stubs}
-        for pool in draining - self._draining:
-            log.info("pool %s is being drained: its sequences move to other pools", pool)
-            self.client.leave_pool(pool)
-        self._draining = draining
-        if not draining:
+        if listed is not None:
+            for pool in [p for p in self._draining if p not in listed]:      # (drained: unregistered)
+                self._stubs.pop(pool, None)
+                self._num_blocks.pop(pool, None)
+            draining = {pool for pool, p in listed.items() if p.draining and pool in self._stubs}
+            for pool in draining - self._draining:
+                log.info("pool %s is being drained: its sequences move to other pools", pool)
+                self.client.leave_pool(pool)
+            self._draining = draining
+        decoders = any(self._roles.get(p) != "prefill" for p in self._stubs if p not in self._draining)
+        handoff = {p for p in self._stubs if self._roles.get(p) == "prefill"} if decoders else set()
+        leaving = self._draining | handoff
+        if not leaving:
             return
         for job in list(self._running):
-            seqs = [b for b in job.branches if b.seq is not None and b.seq.pool in draining]
+            seqs = [b for b in job.branches if b.seq is not None and b.seq.pool in leaving]
             if not seqs:
                 continue
             if any(b.state != DECODE for b in seqs):
-                self._requeue(job)          # (a prompt not computed yet: computed elsewhere)
-                continue
+                if any(b.seq.pool in self._draining for b in seqs):
+                    self._requeue(job)          # (a prompt not computed yet: computed elsewhere)
+                continue                        # (a prefill pool keeps it until its prompt is done)
             for b in seqs:
                 old = b.seq
                 try:
@@ -104,6 +114,7 @@ class ForwardPath:
                 except errors.KvsError as exc:
                     log.warning("sequence %s could not move off pool %s (%s: %s): recomputed elsewhere", old.id,
                                 old.pool, type(exc).__name__, exc)
+                    b.seq = old
                     self._requeue(job)
                     break
                 self._live.pop(old.id, None)
@@ -111,7 +122,7 @@ class ForwardPath:
                 self.report.migrated_sequences += 1
 
     def _watch_pools(self) -> None:
-        """Reads the pool list every ``DRAIN_CHECK_S`` for ``_follow_drains`` until the
+        """Reads the pool list every ``DRAIN_CHECK_S`` for ``_move_sequences`` until the
         engine closes."""
         while not self._closing.wait(DRAIN_CHECK_S):
             try:

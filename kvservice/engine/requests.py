@@ -157,7 +157,8 @@ class Report:
         loaded_blocks, load_failures, offloaded_blocks: blocks loaded from a lower tier
             (prefix hits there), loads that failed their checksum (recomputed), and blocks
             copied down a tier, by the workers (DESIGN §12).
-        migrated_sequences: sequences moved off a pool being drained (DESIGN §13).
+        migrated_sequences: sequences moved to another pool (off a pool being drained, or
+            from a prefill pool to a decode pool: DESIGN §13).
         fetched_blocks, fetch_failures: blocks filled from another pool's worker (a prefix
             cached there, DESIGN §13), and blocks not fetched (the source gone, a checksum,
             the destination's worker gone): recomputed.

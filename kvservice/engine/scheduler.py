@@ -120,6 +120,8 @@ class Scheduler:
         reserved = self.client.reserved_blocks() if self.local else 0
         avail = {p: self._num_blocks[p] - self._used_blocks(p) - reserved for p in self._stubs
                  if p not in self._draining}
+        if any(self._roles.get(p) != "decode" for p in avail):     # (prompts go to prefill or both pools)
+            avail = {p: n for p, n in avail.items() if self._roles.get(p) != "decode"}
         if not avail:
             return creates
         for s in appends:

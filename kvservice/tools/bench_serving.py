@@ -63,21 +63,26 @@ def _one(client: Any, model: str, system: str, question: str, max_tokens: int) -
     """One streaming chat; its time to first token, tokens and cached prompt tokens."""
     start = time.perf_counter()
     first = None
+    arrivals: list[float] = []
     tokens = cached = prompt = 0
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
         max_tokens=max_tokens, temperature=0.0, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True})
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and first is None:
-            first = time.perf_counter() - start
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.perf_counter())
+            if first is None:
+                first = arrivals[-1] - start
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
             prompt = chunk.usage.prompt_tokens
             details = getattr(chunk.usage, "prompt_tokens_details", None)
             cached = (getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return {"ttft_s": first if first is not None else time.perf_counter() - start, "tokens": tokens,
-            "prompt_tokens": prompt, "cached_tokens": cached, "seconds": time.perf_counter() - start}
+            "prompt_tokens": prompt, "cached_tokens": cached, "seconds": time.perf_counter() - start,
+            "itl_s": statistics.mean(gaps) if gaps else 0.0}
 
 
 def drive(base_url: str, api_key: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -109,7 +114,9 @@ def drive(base_url: str, api_key: str, model: str, args: argparse.Namespace) -> 
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[:3]}")
     ttfts = sorted(r["ttft_s"] for r in done)
     tokens = sum(r["tokens"] for r in done)
+    itls = sorted(r["itl_s"] for r in done)
     return {"tok_per_s": tokens / wall, "ttft_p50_s": statistics.median(ttfts), "ttft_max_s": ttfts[-1],
+            "itl_p50_s": statistics.median(itls), "itl_max_s": itls[-1],
             "tokens": tokens, "wall_s": wall, "prompt_tokens": done[0]["prompt_tokens"],
             "cached_tokens_p50": statistics.median(r["cached_tokens"] for r in done)}
 
@@ -117,9 +124,11 @@ def drive(base_url: str, api_key: str, model: str, args: argparse.Namespace) -> 
 def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     from kvservice.tools.launcher import Stack
 
-    progress(f"starting a local stack: {args.workers} {MODEL} worker(s) and the HTTP API")
+    roles = tuple(args.roles.split(",")) if args.roles else ()
+    progress(f"starting a local stack: {args.workers} {MODEL} worker(s)"
+             + (f" (roles {', '.join(roles)})" if roles else "") + " and the HTTP API")
     kv_memory = f"{args.kv_gib * 1024 // args.workers}MiB"
-    with Stack(args.workers, model=MODEL, http_port=0, kv_memory=kv_memory) as stack:
+    with Stack(args.workers, model=MODEL, http_port=0, kv_memory=kv_memory, roles=roles) as stack:
         progress(f"driving {stack.api.url}: {args.requests} streaming chats of {args.max_tokens} tokens")
         return drive(stack.api.url, stack.api_key, stack.api.model, args)
 
@@ -169,13 +178,15 @@ def measure_vllm(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(fig: dict[str, Any]) -> str:
-    lines = ["| server | tokens/s | TTFT p50 (s) | TTFT max (s) | cached prompt tokens (p50) |", "|---|---|---|---|---|",
-             f"| kvservice ({fig['workers']} worker{'s' if fig['workers'] != 1 else ''}) | {fig['tok_per_s']:.1f} | {fig['ttft_p50_s']:.2f} | "
-             f"{fig['ttft_max_s']:.2f} | {fig['cached_tokens_p50']:.0f} of {fig['prompt_tokens']} |"]
+    lines = ["| server | tokens/s | TTFT p50 (s) | TTFT max (s) | ITL p50 (ms) | cached prompt tokens (p50) |",
+             "|---|---|---|---|---|---|",
+             f"| kvservice ({fig['workers']} worker{'s' if fig['workers'] != 1 else ''}, {fig['roles']}) | "
+             f"{fig['tok_per_s']:.1f} | {fig['ttft_p50_s']:.2f} | {fig['ttft_max_s']:.2f} | "
+             f"{fig['itl_p50_s'] * 1000:.0f} | {fig['cached_tokens_p50']:.0f} of {fig['prompt_tokens']} |"]
     if "vllm_tok_per_s" in fig:
         lines.append(f"| vLLM | {fig['vllm_tok_per_s']:.1f} | {fig['vllm_ttft_p50_s']:.2f} | "
-                     f"{fig['vllm_ttft_max_s']:.2f} | {fig['vllm_cached_tokens_p50']:.0f} of "
-                     f"{fig['vllm_prompt_tokens']} |")
+                     f"{fig['vllm_ttft_max_s']:.2f} | {fig['vllm_itl_p50_s'] * 1000:.0f} | "
+                     f"{fig['vllm_cached_tokens_p50']:.0f} of {fig['vllm_prompt_tokens']} |")
         lines.append(f"\nkvservice / vLLM tokens/s: {fig['tok_per_s'] / fig['vllm_tok_per_s']:.2f}x")
     return "\n".join(lines)
 
@@ -186,6 +197,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-words", type=int, default=80,
                    help="words of the shared system prompt (default 80: about 100 tokens)")
     p.add_argument("--workers", type=int, default=1, help="our stack's workers, sharing the cores (default 1)")
+    p.add_argument("--roles", default="",
+                   help="each worker's role, comma-separated (both, prefill, decode: disaggregated prefill / "
+                        "decode, DESIGN §13); default: every worker both")
     p.add_argument("--kv-gib", type=int, default=2,
                    help="KV memory of each server in GiB: ours split over its workers (default 2)")
     p.add_argument("--vllm-python", default="", metavar="PATH",
@@ -196,6 +210,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.roles and (len(args.roles.split(",")) != args.workers
+                       or not set(args.roles.split(",")) <= {"both", "prefill", "decode"}):
+        print(f"kvservice bench-serving: --roles needs one of both, prefill, decode per worker ({args.workers}), "
+              f"got {args.roles!r}", file=sys.stderr)
+        return 2
     if min(args.requests, args.max_tokens, args.workers, args.system_words, args.kv_gib) < 1:
         print("kvservice bench-serving: --requests, --max-tokens, --workers, --system-words and --kv-gib must be "
               "positive",
@@ -206,7 +225,8 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         print("kvservice bench-serving: needs the openai package (pip install openai)", file=sys.stderr)
         return 2
-    fig: dict[str, Any] = {"workers": args.workers, "requests": args.requests, "max_tokens": args.max_tokens,
+    fig: dict[str, Any] = {"workers": args.workers, "roles": args.roles or "both", "requests": args.requests,
+                           "max_tokens": args.max_tokens,
                            **measure_ours(args)}
     if args.vllm_python:
         fig.update({f"vllm_{k}": v for k, v in measure_vllm(args).items()})

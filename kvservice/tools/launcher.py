@@ -198,6 +198,8 @@ class Stack:
         kv_memory: each worker's KV budget (``2GiB``, ``64MiB``, ...).
         num_blocks: blocks per worker (overrides ``kv_memory`` when > 0).
         worker_args: more ``python -m worker`` flags.
+        roles: each worker's role (``--role``: both, prefill, decode; DESIGN §13), in order;
+            empty: every worker both.
         allocator_args: more ``kvservice serve`` flags.
         secure: TLS and authentication on every server (see above).
         http_port: also start the OpenAI-compatible HTTP API (``kvservice api``) on this
@@ -217,9 +219,12 @@ class Stack:
                  block_size: int = 16, kv_memory: str = "64MiB", num_blocks: int = 0,
                  worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = (),
                  secure: bool = True, http_port: int | None = None, api_args: tuple[str, ...] = (),
-                 redis_cluster: int = 0, redis_fsync: str = "") -> None:
+                 redis_cluster: int = 0, redis_fsync: str = "", roles: tuple[str, ...] = ()) -> None:
         if workers < 1:
             raise ValueError(f"a stack needs at least one worker, got {workers}")
+        if roles and len(roles) != workers:
+            raise ValueError(f"{len(roles)} roles for {workers} workers")
+        self.roles = tuple(roles)
         self.secure = secure
         self._creds_dir: tempfile.TemporaryDirectory | None = None
         self.num_workers, self.model, self.model_seed = workers, model, model_seed
@@ -334,6 +339,8 @@ class Stack:
                     args += ["--model", self.model, "--model-seed", str(self.model_seed)]
                 if self.num_blocks:
                     args += ["--num-blocks", str(self.num_blocks)]
+                if self.roles:
+                    args += ["--role", self.roles[i]]
                 self.workers.append(WorkerProcess(*args, *self.worker_args,
                                                   env=self._client_env(f"worker-{i}")).start(wait=False))
             for w in self.workers:

@@ -11,7 +11,8 @@
 ---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address, host_entries,
 ---   disk_entries (the lower tiers' sizes, lib/tiers; 0: none), disk_kept (the worker's
 ---   disk tier holds what an earlier process stored: its ready entries are kept when the
----   geometry and the tier's size are unchanged; else the tier starts empty)}
+---   geometry and the tier's size are unchanged; else the tier starts empty), role (both,
+---   prefill or decode: what the engine runs there)}
 --- Returns msgpack {pool, epoch, generation (a new one: lib/generation), registered_ms}; or an error (lib/codec):
 ---   INVALID_ARGUMENT (a used request_id with other arguments).
 --- @include "lib/time"
@@ -47,7 +48,7 @@ end
 redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block_size', p.block_size,
   'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now, 'geometry', geometry,
-  'host_entries', p.host_entries, 'disk_entries', p.disk_entries)
+  'host_entries', p.host_entries, 'disk_entries', p.disk_entries, 'role', p.role or 'both')
 redis.call('HDEL', K_META, 'heartbeat_ms', 'drained')
 redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
 local gen = begin_generation(K_META, server_run_id())
