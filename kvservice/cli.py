@@ -194,12 +194,17 @@ def _up(args: argparse.Namespace) -> int:
 
     from kvservice.tools.launcher import Stack
 
+    roles = tuple(args.roles.split(",")) if args.roles else ()
+    if roles and (len(roles) != args.workers or not set(roles) <= {"both", "prefill", "decode"}):
+        print(f"kvservice up: --roles needs one of both, prefill, decode per worker ({args.workers}), got "
+              f"{args.roles!r}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack(args.workers, model=args.model, model_seed=args.model_seed, block_size=args.block_size,
                   kv_memory=args.kv_memory, num_blocks=args.num_blocks, http_port=args.http,
-                  redis_cluster=args.redis_cluster, worker_args=tier_worker_args(args))
+                  redis_cluster=args.redis_cluster, worker_args=tier_worker_args(args), roles=roles)
     print(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model}"
           + (f", and the HTTP API on port {args.http}" if args.http is not None else "") + " ...", flush=True)
     try:
@@ -378,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http", type=int, default=None, metavar="PORT",
                    help="also serve the OpenAI-compatible HTTP API on this port (kvservice api; 0: a free port), "
                         "with an API key it prints")
+    p.add_argument("--roles", default="", metavar="R,R,...",
+                   help="each worker's role, comma-separated: both, prefill, decode (disaggregated prefill / "
+                        "decode; default: every worker both)")
     p.set_defaults(func=_up)
 
     from kvservice.api.server import add_arguments as api_arguments
