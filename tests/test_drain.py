@@ -90,3 +90,30 @@ def test_undo_a_drain_and_refusals(two):
         admin.drain_pool("a")
         assert not admin.drain_pool("a", undo=True).draining
         assert c.create(PROMPT, pool="a").pool == "a"
+
+
+def test_the_drain_command_reports_what_it_does_and_refuses_an_unknown_pool(two):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import client_env
+
+    server, c, url = two
+    env = {**os.environ, **client_env()}
+
+    def drain(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvservice", "drain", *args, "--target", server.target],
+                              env=env, capture_output=True, text=True, timeout=60)
+    bad = drain("nowhere")
+    assert bad.returncode == 2 and "NotFound" in bad.stderr and "nowhere" in bad.stderr
+    s = c.create(PROMPT, pool="a")
+    held = drain("a", "--timeout", "1")                    # (nobody moves the sequence: it stays draining)
+    assert held.returncode == 1 and "1 sequences" in held.stdout and "stays draining" in held.stderr
+    assert _draining(c)["a"]
+    assert drain("a", "--undo").returncode == 0 and not _draining(c)["a"]
+    s.free()
+    c.leave_pool("a")                                      # (what an engine does when it sees the drain)
+    done = drain("a")
+    assert done.returncode == 0 and "unregistered" in done.stdout, done.stdout + done.stderr
+    assert [p.pool_id for p in c.pools()] == ["b"]

@@ -367,7 +367,10 @@ class Store:
 
     async def set_draining(self, pool_id: str, on: bool) -> None:
         """Marks the pool as being drained (or no more)."""
-        await (self.redis.sadd(keys.DRAINING, pool_id) if on else self.redis.srem(keys.DRAINING, pool_id))
+        if on:
+            await self.redis.sadd(keys.DRAINING, pool_id)
+        else:
+            await self.redis.srem(keys.DRAINING, pool_id)
         self._stale_pool_list()
 
     async def unregister_pool(self, pool_id: str, force: bool = False) -> dict[str, Any]:
