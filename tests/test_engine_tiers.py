@@ -1,7 +1,8 @@
 """The engine over SmolLM2 workers whose device pools are far smaller than the working
 set, with lower tiers (DESIGN §12): a multi-turn workload's greedy outputs equal
 transformers', its prompts are loaded rather than recomputed; a host-tier block with a
-flipped byte fails its load and is recomputed; a disk tier outlives its worker."""
+flipped byte fails its load and is recomputed; a disk tier outlives its worker. (The
+engines keep to each pool's own cache, fetches off: the tiers alone are under test.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def reference(smollm2_cache):
 
 def test_small_device_pools_with_a_host_tier_equal_transformers_and_compute_fewer_prompt_tokens(reference):
     with Stack(2, model=NAME, block_size=16, num_blocks=24, worker_args=("--host-tier-gb", "0.2")) as stack, \
-            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False) as engine:
         reports = turns(engine, reference, conversations=8, turns=4)
         prompt = [sum(c.num_prompt_tokens for c in r.completions) for r in reports]
         # The working set (every conversation's last prompt) is well beyond the device pools.
@@ -60,7 +61,7 @@ def _flip_a_byte_in_every_entry(worker, entries: int) -> int:
 def test_a_flipped_byte_in_a_host_tier_block_fails_its_load_which_is_recomputed(reference):
     host_entries = int(0.2e9) // BLOCK_BYTES
     with Stack(1, model=NAME, block_size=16, num_blocks=24, worker_args=("--host-tier-gb", "0.2")) as stack, \
-            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False) as engine:
         worker = stack.workers[0]
 
         def corrupt(turn: int) -> None:
@@ -115,7 +116,7 @@ def test_a_worker_killed_while_offloading_leaves_no_hit_on_an_unconfirmed_entry(
                     os.kill(w.proc.pid, signal.SIGSTOP)
                 threading.Thread(target=watch, daemon=True).start()
 
-        with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True,
+        with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False,
                     progress=after_step) as engine:
             reports = turns(engine, reference, conversations=12, turns=4,
                              check=lambda turn: armed.set() if turn == 2 else None)
@@ -138,7 +139,7 @@ def test_disk_tier_entries_survive_a_restart_of_their_worker(reference, tmp_path
 
         def tiers() -> dict:
             return {t.tier: t for t in admin.pool_stats(worker.pool_id).tiers}
-        with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+        with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False) as engine:
             turns(engine, reference, conversations=16, turns=3)    # (the first turns' blocks go down)
         assert wait_for(lambda: all(t.num_pending_blocks == 0 for t in tiers().values()))
         on_disk = tiers()["disk"].num_used_blocks
@@ -149,7 +150,7 @@ def test_disk_tier_entries_survive_a_restart_of_their_worker(reference, tmp_path
         assert admin.pool_stats(worker.pool_id).epoch == epoch + 1
         after = tiers()
         assert after["disk"].num_used_blocks == on_disk and after["host"].num_used_blocks == 0
-        with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+        with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False) as engine:
             report = turns(engine, reference, conversations=16, turns=1)[0]
         assert report.loaded_blocks > 0 and report.load_failures == 0
         assert metric(worker.metrics_url, "kvservice_worker_tier_moved_blocks_total", src="disk",

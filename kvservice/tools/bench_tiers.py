@@ -1,6 +1,7 @@
 """``kvservice bench-tiers``: a multi-turn chat workload over SmolLM2 workers whose device
 pools are far smaller than its working set, with the lower tiers off, a host tier, and a
-host and a disk tier (DESIGN §12), one local stack each, in one run.
+host and a disk tier (DESIGN §12), one local stack each, in one run. The engine keeps to
+each pool's own cache (fetches between pools off, DESIGN §13): the tiers alone are measured.
 
 The workload (the same in every configuration, drawn from ``--seed``): ``--conversations``
 chats of ``--turns`` turns each, every chat opening with one of ``--systems`` shared system
@@ -92,7 +93,7 @@ def measure(config: str, args: argparse.Namespace) -> dict[str, Any]:
     lock = threading.Lock()
     with Stack(args.workers, model=MODEL, block_size=16, num_blocks=args.num_blocks,
                worker_args=tuple(worker_args)) as stack, \
-            Engine(stack.target, credentials=stack.credentials("engine")) as engine:
+            Engine(stack.target, credentials=stack.credentials("engine"), fetch=False) as engine:
         chats = workload(engine.tokenizer, args)
         rng = random.Random(args.seed + 1)
         answers = [[min(args.max_tokens, max(16, int(rng.lognormvariate(math.log(args.max_tokens * 0.6), 0.4))))
