@@ -57,9 +57,14 @@ class TierPath:
                 response = calls[(pool, epoch)].result()
             except (errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition) as exc:
                 # (a worker gone or restarted: its entries were never confirmed, and its
-                # sequences fail this step's forward and are recomputed)
+                # sequences fail this step's forward and are recomputed; a worker that only
+                # stalled past the deadline serves the forward: the blocks its loads were to
+                # fill are recomputed by their readers)
                 log.warning("pool %s: %d lower-tier orders not run (%s: %s)", pool, len(group),
                             type(exc).__name__, exc)
+                loads = {o.dst for o in group if not o.dst_tier}
+                if loads:
+                    self._tainted.setdefault((pool, epoch), set()).update(loads)
                 continue
             settled, failed = [], set()
             for o, res in zip(group, response.results):
@@ -94,16 +99,19 @@ class TierPath:
         for key, group in groups.items():
             pool, epoch, source, source_epoch = key
             failed = {o.dst for o in group if o.src < 0}
+            response = None
             if key in calls:
                 try:
                     response = calls[key].result()
                 except (errors.Unavailable, errors.DeadlineExceeded, errors.FailedPrecondition) as exc:
                     # (this pool's worker gone or restarted: its sequences fail this step's
-                    # forward and are recomputed)
+                    # forward and are recomputed; one that only stalled past the deadline
+                    # serves the forward: the blocks are recomputed by their readers)
                     log.warning("pool %s: %d fetches from pool %s not run (%s: %s)", pool, len(runnable[key]),
                                 source, type(exc).__name__, exc)
                     response = None
                     r.fetch_failures += len(runnable[key])
+                    self._tainted.setdefault((pool, epoch), set()).update(o.dst for o in runnable[key])
                 if response is not None:
                     errors_seen = [res.error for res in response.results if not res.ok]
                     failed.update(o.dst for o, res in zip(runnable[key], response.results) if not res.ok)
