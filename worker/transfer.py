@@ -54,12 +54,9 @@ MAX_MESSAGE_BYTES = MAX_BLOCK_STREAM_MESSAGE
 assert MAX_MESSAGE_BYTES >= MAX_CHUNK_BYTES + (1 << 20)
 
 
-def read_block(pool: KVPool, tiers: Tiers | None, tier: int, index: int,
-               tag: bytes) -> torch.Tensor | list[torch.Tensor]:
+def read_block(pool: KVPool, tiers: Tiers | None, tier: int, index: int, tag: bytes) -> torch.Tensor:
     """A block's bytes (uint8 on the CPU): device block ``index``, or entry ``index`` of the
-    host (1) or disk (2) tier once it passes its checksum and holds ``tag``. A device block
-    of a CPU pool comes as its segments in place (every layer's K, then every layer's V:
-    the order of ``block_bytes``), so that its bytes are copied once, into the message.
+    host (1) or disk (2) tier once it passes its checksum and holds ``tag``.
 
     Raises:
         LoadFailed: no such tier, or the entry's bytes are not the block asked for.
@@ -68,9 +65,6 @@ def read_block(pool: KVPool, tiers: Tiers | None, tier: int, index: int,
     if tier == DEVICE:
         if not 0 <= index < pool.shape.num_blocks:
             raise ValueError(f"block {index} is out of range 0..{pool.shape.num_blocks - 1}")
-        if pool.device.type == "cpu":
-            return [c[layer, index].view(torch.uint8).reshape(-1)
-                    for c in (pool.k_caches, pool.v_caches) for layer in range(pool.shape.num_layers)]
         return block_bytes(pool, index)
     if tiers is None:
         raise LoadFailed("this worker has no lower tier")
@@ -78,8 +72,7 @@ def read_block(pool: KVPool, tiers: Tiers | None, tier: int, index: int,
 
 
 class Piece(NamedTuple):
-    """One ``BlockPiece`` of a stream (``data``: bytes or a memoryview into a message; on
-    the source, a list of buffers whose bytes follow one another)."""
+    """One ``BlockPiece`` of a stream (``data``: bytes or a memoryview into a message)."""
 
     position: int
     offset: int = 0
@@ -97,46 +90,26 @@ def pieces(blocks: Iterable[tuple[int, int, bytes]], read: Any, chunk_bytes: int
     size = 0
     for position, (tier, index, tag) in enumerate(blocks):
         try:
-            got = read(tier, index, tag)
+            data = read(tier, index, tag).numpy()
         except (LoadFailed, ValueError) as exc:
             chunk.append(Piece(position, last=True, error=str(exc) or "unreadable"))
             continue
-        segments = [memoryview(t.numpy()).cast("B") for t in (got if isinstance(got, list) else [got])]
-        h = xxhash.xxh3_64()
-        for seg in segments:
-            h.update(seg)
-        digest, total = h.intdigest(), sum(len(seg) for seg in segments)
+        digest = block_checksum(data)
+        view = memoryview(data).cast("B")
         offset = 0
         while True:                  # (pieces that fill each message up to chunk_bytes)
             if size >= chunk_bytes:
                 yield chunk
                 chunk, size = [], 0
-            n = min(total - offset, chunk_bytes - size)
-            offset += n
-            last = offset >= total
-            chunk.append(Piece(position, offset - n, _cut(segments, offset - n, n), last, digest if last else 0))
-            size += n
+            part = view[offset:offset + chunk_bytes - size]
+            offset += len(part)
+            last = offset >= len(view)
+            chunk.append(Piece(position, offset - len(part), part, last, digest if last else 0))
+            size += len(part)
             if last:
                 break
     if chunk:
         yield chunk
-
-
-def _cut(segments: list[memoryview], start: int, n: int) -> list[memoryview]:
-    """Bytes ``start .. start + n`` of the buffers ``segments`` (one after another), as
-    views."""
-    out = []
-    for seg in segments:
-        if start >= len(seg):
-            start -= len(seg)
-            continue
-        part = seg[start:start + n]
-        out.append(part)
-        n -= len(part)
-        start = 0
-        if n <= 0:
-            break
-    return out
 
 
 # The wire format of BlockChunk (kvservice.v1.worker.proto), written and read here without
@@ -169,11 +142,9 @@ def encode(chunk: list[Piece]) -> bytes:
         if p.error:
             err = p.error.encode()
             tail += b"\x32" + _varint(len(err)) + err
-        data = p.data if isinstance(p.data, list) else [p.data]
-        size = sum(len(d) for d in data)
-        data_head = b"\x1a" + _varint(size) if size else b""
-        body = len(head) + len(data_head) + size + len(tail)
-        parts += [b"\x0a" + _varint(body), head, data_head, *data, tail]
+        data_head = b"\x1a" + _varint(len(p.data)) if len(p.data) else b""
+        body = len(head) + len(data_head) + len(p.data) + len(tail)
+        parts += [b"\x0a" + _varint(body), head, data_head, p.data, tail]
     return b"".join(parts)
 
 
