@@ -246,6 +246,27 @@ row("SettleTiers", "hash-short", settle(block_hash=b"x"), IA, "settled[0].block_
 row("SettleTiers", "too-many", settle(n=65_537), IA, "at most 65536 settlements per call, got 65537")
 row("SettleTiers", "no-such-tier", settle(), IA, "pool p0 has no tier 1")
 
+# -- MigrateSequence (priv: 1 committed block, last hash priv_hash), DrainPool, UnregisterPool.
+def migrate(b: Base, sid: str = "", pool: str = "p1", hashes: bytes | None = None, lease: str = "") -> Any:
+    return pb.MigrateSequenceRequest(lease_id=lease or b.A, sequence_id=sid or b.priv, pool_id=pool,
+                                     block_hashes=b.priv_hash if hashes is None else hashes)
+
+
+row("MigrateSequence", "another-lease-s-sequence", lambda b: migrate(b, sid=b.other), NF, "not found")
+row("MigrateSequence", "unknown-sequence", lambda b: migrate(b, sid=b.future(b.priv)), NF, "not found")
+row("MigrateSequence", "hashes-short", lambda b: migrate(b, hashes=b""), IA,
+    "has 1 committed blocks: block_hashes needs 16 bytes, got 0")
+row("MigrateSequence", "same-pool", lambda b: migrate(b, pool="p0"), IA, "is in pool p0 already")
+row("MigrateSequence", "unknown-pool", lambda b: migrate(b, pool="nope"), NF, "pool nope is not registered")
+row("MigrateSequence", "malformed-lease", lambda b: migrate(b, lease="x!"), IA, "malformed lease_id 'x!'")
+row("DrainPool", "unknown-pool", lambda b: pb.DrainPoolRequest(pool_id="nope"), NF, "pool nope is not registered")
+row("DrainPool", "malformed-pool-id", lambda b: pb.DrainPoolRequest(pool_id="bad pool!"), IA,
+    "malformed pool_id 'bad pool!'")
+row("UnregisterPool", "unknown-pool", lambda b: pb.UnregisterPoolRequest(pool_id="nope"), NF,
+    "pool nope is not registered")
+row("UnregisterPool", "not-draining", lambda b: pb.UnregisterPoolRequest(pool_id="p0"), FP,
+    "pool p0 is not being drained")
+
 # -- Heartbeat: the pool id and the worker's epoch (p1 is at epoch 2).
 for pid in ("", "bad pool!", "a" * 65, "p0/1"):
     row("Heartbeat", f"malformed-pool-id-{pid[:8]}", lambda b, p=pid: pb.HeartbeatRequest(pool_id=p, epoch=1), IA,
@@ -717,6 +738,9 @@ def _every_rpc_request(pool: str, lease: str, sid: str) -> dict[str, Any]:
         "SettleTiers": pb.SettleTiersRequest(pool_id=pool, epoch=1, settled=[pb.TierSettlement(
             tier=1, entry=0, block_hash=b"h" * 16, ok=True)]),
         "Sync": pb.SyncRequest(lease_id=lease, pools=[pb.PoolSync(pool_id=pool, epoch=1, want_blocks=4)]),
+        "MigrateSequence": pb.MigrateSequenceRequest(lease_id=lease, sequence_id=sid, pool_id=pool),
+        "DrainPool": pb.DrainPoolRequest(pool_id=pool),
+        "UnregisterPool": pb.UnregisterPoolRequest(pool_id=pool, force=True),
     }
 
 

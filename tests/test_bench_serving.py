@@ -28,10 +28,14 @@ def test_bench_serving_streams_concurrent_chats_through_the_http_api():
     assert 0 < fig["ttft_p50_s"] <= fig["ttft_max_s"] <= fig["wall_s"]
     # (the warm-up request cached the system prompt's full blocks)
     assert fig["prompt_tokens"] > 100 and fig["cached_tokens_p50"] >= 96
-    assert "vllm_tok_per_s" not in fig and "| kvservice (1 worker) |" in report(fig)
+    assert 0 < fig["itl_p50_s"] <= fig["itl_max_s"] <= fig["wall_s"]
+    assert "vllm_tok_per_s" not in fig and "| kvservice (1 worker, both) |" in report(fig)
 
 
 def test_bench_serving_refuses_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "kvservice", "bench-serving", "--requests", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "must be positive" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvservice", "bench-serving", "--workers", "2", "--roles", "prefill"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--roles needs one of both, prefill, decode per worker (2)" in out.stderr

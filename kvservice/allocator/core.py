@@ -176,6 +176,7 @@ class Allocator(StepOps, ReserveOps, TierOps):
         it holds a sequence, a reserved block or a live read pin, unless ``force``. Its
         worker learns it from its next heartbeat and stops."""
         check_pool_arg(pool_id)
+        await self.geometry(pool_id, refresh=True)          # (NotFound for a pool not registered)
         if not force and not await self.store.draining(pool_id):
             raise errors.FailedPrecondition(f"pool {pool_id} is not being drained (DrainPool first)",
                                             reason="NOT_DRAINING")
