@@ -333,21 +333,35 @@ pool_epoch() {   # the allocator's epoch of a pool, through Prometheus
   "${PROBE[@]}" metric http://127.0.0.1:9090 "max(kvservice_pool_epoch{pool=\"$1\"})"
 }
 
+# worker_tokens: the tokens worker-cpu-1 has computed (its Forward counter, read inside
+# its container: the workers publish no port).
+worker_tokens() {
+  compose exec -T worker-cpu-1 python3 -c 'import urllib.request
+text = urllib.request.urlopen("http://127.0.0.1:9401/metrics", timeout=5).read().decode()
+print(int(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("kvservice_worker_forward_tokens_total"))))'
+}
+
 kill_worker() {
-  local before after ok=0 chats failed_steps
+  local before after chats failed_steps base now why=()
   before=$(pool_epoch worker-1)
-  log "worker-1 at epoch ${before:-?}; 8 chats, then docker kill of worker-cpu-1 while they run"
+  base=$(worker_tokens) || base=""
+  log "worker-1 at epoch ${before:-?}, ${base:-?} tokens computed; 8 chats, then docker kill of worker-cpu-1 once it computes theirs"
   "${PROBE[@]}" chat http://127.0.0.1:8000 "$WORK/api-key" --requests 8 --max-tokens 48 --stagger 0.2 \
     >"$WORK/chats.log" 2>&1 &
   chats=$!
-  sleep 4
-  docker kill "$(compose ps -q worker-cpu-1)" >/dev/null || ok=1
-  wait "$chats" || ok=1
+  for _ in $(seq 100); do
+    now=$(worker_tokens) || now=""
+    [ -n "$now" ] && [ -n "$base" ] && [ "$now" -gt "$base" ] && break
+    sleep 0.2
+  done
+  log "worker-cpu-1 killed at ${now:-?} tokens computed"
+  docker kill "$(compose ps -q worker-cpu-1)" >/dev/null || why+=("docker kill failed")
+  wait "$chats" || why+=("a chat during the kill failed")
   cat "$WORK/chats.log"
   failed_steps=$(compose logs api-cpu 2>/dev/null | grep -c 'the worker of pool worker-1 failed a step')
   log "steps the killed worker failed, recomputed on worker-0: $failed_steps"
-  [ "$failed_steps" -gt 0 ] || { log "the kill hit no request"; ok=1; }
-  audit allocator || ok=1
+  [ "$failed_steps" -gt 0 ] || why+=("the kill hit no request")
+  audit allocator || why+=("the audit after the kill failed")
   log "worker-cpu-1 started again"
   compose start worker-cpu-1 >/dev/null || return 1
   wait_healthy 300 worker-cpu-1 || return 1
@@ -358,10 +372,14 @@ kill_worker() {
     sleep 2
   done
   log "worker-1's epoch: ${before:-?} -> ${after:-?}"
-  [ -n "$after" ] && [ -n "$before" ] && [ "${after%.*}" -gt "${before%.*}" ] || ok=1
-  "${PROBE[@]}" chat http://127.0.0.1:8000 "$WORK/api-key" --requests 4 --max-tokens 16 || ok=1
-  audit allocator || ok=1
-  return $ok
+  [ -n "$after" ] && [ -n "$before" ] && [ "${after%.*}" -gt "${before%.*}" ] || why+=("no new epoch for worker-1")
+  "${PROBE[@]}" chat http://127.0.0.1:8000 "$WORK/api-key" --requests 4 --max-tokens 16 || why+=("a chat after the restart failed")
+  audit allocator || why+=("the last audit failed")
+  if [ ${#why[@]} -gt 0 ]; then
+    compose logs api-cpu 2>/dev/null | grep -E 'WARNING|ERROR' | tail -n 15
+    log "worker killed: $(IFS=';'; echo "${why[*]}")"
+    return 1
+  fi
 }
 
 # ---------------------------------------------------------------- 8. the cluster profile
