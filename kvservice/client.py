@@ -536,12 +536,15 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         return out
 
     def settle_tiers(self, pool_id: str, epoch: int, settled: list[pb.TierSettlement],
-                     release_pins: list[str] = ()) -> int:
-        """Passes on the worker's word on a pool's lower-tier orders, and releases the read
-        pins of its fetches that ran (``SettleTiers``); returns how many entries were
+                     release_pins: list[str] = (), forget_blocks: list[int] = ()) -> int:
+        """Passes on the worker's word on a pool's lower-tier orders, releases the read
+        pins of its fetches that ran, and drops the hashes of ``forget_blocks`` (device
+        blocks whose content is not what their hash says: a prompt a failed step never
+        wrote, a failed load or fetch) (``SettleTiers``); returns how many entries were
         settled."""
         reply = self._call(self.stub.SettleTiers, pb.SettleTiersRequest(
-            pool_id=pool_id, epoch=epoch, settled=settled, release_pins=release_pins), idempotent=True)
+            pool_id=pool_id, epoch=epoch, settled=settled, release_pins=release_pins,
+            forget_blocks=forget_blocks), idempotent=True)
         return reply.num_settled
 
     def pools(self) -> list[pb.Pool]:

@@ -38,6 +38,18 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def assert_greedy(reference, prompt: list[int], completion) -> None:
+    """``completion`` (of ``STEPS`` tokens, with logits) equals transformers' greedy
+    ``generate`` of ``prompt``: its tokens, and its logits within ``ATOL``."""
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=STEPS, eos_token_id=None, pad_token_id=2,
+                                 output_logits=True, return_dict_in_generate=True)
+    assert completion.outputs[0] == out.sequences[0, len(prompt):].tolist(), completion.request_id
+    got = torch.tensor([list(row) for row in completion.logits[0]])
+    torch.testing.assert_close(got, torch.stack([x[0] for x in out.logits]).float(), atol=ATOL, rtol=0)
+
+
 def turns(engine: Engine, reference, conversations: int, turns: int, check=None,
           pool: Callable[[int, int], str] | None = None, systems: list[str] = SYSTEMS) -> list:
     """Runs ``turns`` rounds of ``conversations`` chats (shared system prompts); each turn's
@@ -57,13 +69,7 @@ def turns(engine: Engine, reference, conversations: int, turns: int, check=None,
                              for i, p in enumerate(prompts)])
         assert report.failed == 0
         for p, c in zip(prompts, report.completions):
-            with torch.inference_mode():
-                out = reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                         do_sample=False, max_new_tokens=STEPS, eos_token_id=None, pad_token_id=2,
-                                         output_logits=True, return_dict_in_generate=True)
-            assert c.outputs[0] == out.sequences[0, len(p):].tolist(), c.request_id
-            got = torch.tensor([list(row) for row in c.logits[0]])
-            torch.testing.assert_close(got, torch.stack([x[0] for x in out.logits]).float(), atol=ATOL, rtol=0)
+            assert_greedy(reference, p, c)
         reports.append(report)
         follow = FOLLOW_UPS[t % len(FOLLOW_UPS)]
         prompts = [p + c.outputs[0] + tok.encode(f"\nuser: {follow}\nassistant:")

@@ -245,6 +245,10 @@ row("SettleTiers", "entry-negative", settle(entry=-1), IA, "settled[0].entry -1 
 row("SettleTiers", "hash-short", settle(block_hash=b"x"), IA, "settled[0].block_hash must be 16 bytes, got 1")
 row("SettleTiers", "too-many", settle(n=65_537), IA, "at most 65536 settlements per call, got 65537")
 row("SettleTiers", "no-such-tier", settle(), IA, "pool p0 has no tier 1")
+row("SettleTiers", "forget-out-of-range", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1, forget_blocks=[2**32 - 1]),
+    IA, f"forget_blocks[0] {2**32 - 1} is out of range")
+row("SettleTiers", "forget-too-many", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1, forget_blocks=[0] * 65_537),
+    IA, "at most 65536 forget_blocks per call, got 65537")
 
 # -- MigrateSequence (priv: 1 committed block, last hash priv_hash), DrainPool, UnregisterPool.
 def migrate(b: Base, sid: str = "", pool: str = "p1", hashes: bytes | None = None, lease: str = "") -> Any:

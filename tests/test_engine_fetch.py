@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from chats import NAME, STEPS, metric, turns
+from chats import NAME, STEPS, assert_greedy, metric, turns
 from kvservice.engine import Engine
 from kvservice.tools.launcher import Stack
 from worker import weights
@@ -19,7 +19,7 @@ from worker import weights
 #: small part of its prompt.
 DOCUMENTS = [" ".join(f"Rule {k} of branch {b}: a member may borrow {k % 7 + 1} items from shelf {k * 3 + b}, "
                       f"returned within {k % 4 + 1} weeks, or pay {k % 5 + 1} coins." for k in range(40))
-             for b in range(4)]
+             for b in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,70 @@ def test_without_fetches_the_second_turn_computes_its_whole_prompt(stack, refere
     shares = [_computed(r) for r in reports]
     print(f"without fetches, computed share of each turn's prompt tokens: {[f'{x:.3f}' for x in shares]}")
     assert shares == [1.0, 1.0] and sum(r.fetched_blocks for r in reports) == 0
+
+
+def test_blocks_not_written_yet_are_not_fetched(stack, reference):
+    """Blocks get their hashes at create, before a forward writes them. Three requests on a
+    new system prompt: the first and second (which extends the first's prompt) on worker 0
+    in one step; the second reads the first's blocks, so its prompt waits a step, and its
+    own blocks stay unwritten meanwhile. The third (the second's prompt and more, on worker
+    1) is created in that next step, before that forward: the blocks that live sequences
+    hold in worker 0 are not offered for a fetch (scripts/pin.lua), so worker 1 computes
+    the prompt, and every answer equals transformers'."""
+    from kvservice.engine import Request
+    from kvservice.engine.text import Message
+
+    pools = [w.pool_id for w in stack.workers]
+    with Engine(stack.target, credentials=stack.credentials("engine")) as engine:
+        tok = engine.tokenizer
+    first = tok.chat_prompt([Message("system", DOCUMENTS[4]), Message("user", "Which shelf holds rule 3?")])
+    second = first + tok.encode(" The rules of branch 4 apply to every member, old and new alike.")
+    third = second + tok.encode(" How many coins for rule 9?" * 3)
+    # (the first two prompts fill a step's prompt budget: the third waits for the next step)
+    with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True,
+                max_prefill_tokens=len(first) + len(second)) as engine:
+        report = engine.run([Request(p, max_new_tokens=STEPS, ignore_eos=True, request_id=f"r{i}", pool=pool)
+                             for i, (p, pool) in enumerate([(first, pools[0]), (second, pools[0]),
+                                                            (third, pools[1])])])
+    assert report.failed == 0
+    for p, c in zip([first, second, third], report.completions):
+        assert_greedy(reference, p, c)
+    assert report.fetched_blocks == 0 and report.prefill_tokens >= len(first) + len(third)
+    assert stack.audit().ok
+
+
+def test_a_prompt_its_worker_never_wrote_loses_its_hashes(stack, reference):
+    """Blocks get their hashes at create, before the forward writes them. Worker 0 stopped
+    (SIGSTOP) as a prompt is created there: its step fails past the deadline, the request is
+    computed on worker 1 instead, and the allocator forgets the hashes of the blocks worker
+    0 never wrote (SettleTiers forget_blocks), so that no create hits them there and none
+    fetches them (worker 0, running again, would serve whatever they hold)."""
+    import os
+    import signal
+
+    from kvservice.client import Client
+    from kvservice.engine import Request
+    from kvservice.engine.text import Message
+
+    stopped = stack.workers[0]
+    with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, timeout=15.0) as engine:
+        prompt = engine.tokenizer.chat_prompt([Message("system", DOCUMENTS[5]),
+                                               Message("user", "Which rules cover shelf 12?")])
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            report = engine.run([Request(prompt, max_new_tokens=STEPS, ignore_eos=True, pool=stopped.pool_id)])
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+    print(f"worker failures {report.worker_failures}, fetched {report.fetched_blocks}, "
+          f"{report.prefill_tokens} prompt tokens computed")
+    assert report.failed == 0 and report.worker_failures >= 1 and report.fetched_blocks == 0
+    assert_greedy(reference, prompt, report.completions[0])
+    with Client(stack.target, credentials=stack.credentials("engine")) as c:
+        s = c.create(prompt, pool=stopped.pool_id)
+        assert s.num_cached_tokens == 0
+        s.free()
+    assert metric(stack.allocator.metrics_url, "kvservice_pool_forgotten_blocks_total", pool=stopped.pool_id) > 0
+    assert stack.audit().ok
 
 
 def test_a_source_killed_mid_fetch_is_recomputed_and_leaves_no_pin(reference):

@@ -183,3 +183,61 @@ def test_a_pool_less_create_goes_where_its_prefix_is_and_a_stale_pin_release_is_
         c.settle_tiers("a", s.epoch, [], ["not-a-pin"])
     with pytest.raises(errors.FailedPrecondition):
         c.settle_tiers("a", s.epoch + 1, [], ["0" * 32])
+
+
+def test_forgotten_blocks_are_neither_hit_nor_fetched(two):
+    """SettleTiers forget_blocks: blocks whose content is not what their hash says lose the
+    hash. A cached one becomes free; a referenced one stays in its table, free once freed.
+    No create hits them, none fetches them."""
+    server, c, url = two
+    held = _cached_in_a(c)
+    live = c.create(PROMPT_B[:8], pool="a")          # (2 full blocks, referenced)
+    before = c.pool_stats("a")
+    c.settle_tiers("a", live.epoch, [], [], [held[1], live.block_table[0]])
+    stats = c.pool_stats("a")
+    assert (stats.num_evictable_blocks, stats.num_free_blocks) == (before.num_evictable_blocks - 1,
+                                                                   before.num_free_blocks + 1)
+    assert audit(url, "a") == []
+    again = c.create(PROMPT_A[:5], pool="a")         # (its first block: still cached)
+    assert again.num_cached_tokens == 4 and again.block_table[0] == held[0]
+    again.free()
+    s = c.create(PROMPT_A, pool="b")                 # (fetches the block before the forgotten one)
+    orders = _fetches(c.take_tier_orders())
+    assert [o.src for o in orders] == held[:1] and s.num_cached_tokens == 4
+    c.settle_tiers("a", orders[0].source_epoch, [], [orders[0].pin_id])
+    s.free()
+    before = c.pool_stats("a")
+    live.free()                                      # (its forgotten block is free, the other cached)
+    stats = c.pool_stats("a")
+    assert (stats.num_evictable_blocks, stats.num_free_blocks) == (before.num_evictable_blocks + 1,
+                                                                   before.num_free_blocks + 1)
+    other = c.create(PROMPT_B[:9], pool="b")
+    assert other.num_cached_tokens == 0 and not _fetches(c.take_tier_orders())
+    other.free()
+    assert audit(url, "a") == [] and audit(url, "b") == [] and _pins(url, "a") == {}
+    with pytest.raises(errors.InvalidArgument, match="forget_blocks"):
+        c.settle_tiers("a", live.epoch, [], [], [2**32 - 1])
+
+
+def test_a_forgotten_hash_leaves_the_lower_tiers_too(two):
+    server, c, url = two
+    _cached_in_a(c)
+    filler = c.create(list(range(300, 324)), pool="a")   # (evicts A's blocks: copied down)
+    down = c.take_tier_orders()
+    c.settle_tiers("a", down[0].epoch, [pb.TierSettlement(tier=1, entry=o.dst, block_hash=o.block_hash, ok=True)
+                                        for o in down])
+    filler.free()
+
+    def host_used() -> int:
+        return {t.tier: t for t in c.pool_stats("a").tiers}["host"].num_used_blocks
+    assert host_used() == 3
+    top = c.create(PROMPT_A, pool="a")                   # (loaded from the host tier)
+    assert top.num_cached_tokens == 12
+    c.take_tier_orders()
+    c.settle_tiers("a", top.epoch, [], [], [top.block_table[0]])
+    assert host_used() == 2
+    top.free()
+    s = c.create(PROMPT_A, pool="b")                     # (no chain left to fetch)
+    assert s.num_cached_tokens == 0 and not _fetches(c.take_tier_orders())
+    s.free()
+    assert audit(url, "a") == [] and audit(url, "b") == []

@@ -247,10 +247,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def SettleTiers(self, request: pb.SettleTiersRequest, context: Any) -> pb.SettleTiersResponse:
         Access.pool(request.pool_id, "SettleTiers")
-        n, released = await self.a.settle_tiers(request.pool_id, request.epoch,
-                                                [(s.tier, s.entry, s.block_hash, s.ok) for s in request.settled],
-                                                list(request.release_pins))
-        return pb.SettleTiersResponse(num_settled=n, num_released=released)
+        n, released, forgotten = await self.a.settle_tiers(
+            request.pool_id, request.epoch, [(s.tier, s.entry, s.block_hash, s.ok) for s in request.settled],
+            list(request.release_pins), list(request.forget_blocks))
+        return pb.SettleTiersResponse(num_settled=n, num_released=released, num_forgotten=forgotten)
 
     async def Audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:
         holdings: list[LeaseHoldings] = []

@@ -349,11 +349,12 @@ class Store:
                                  "max_dead": max_dead})
 
     async def tier_settle(self, pool_id: str, epoch: int, settled: list[list[Any]],
-                          release: list[str] = ()) -> dict[str, Any]:
-        """The worker's word on lower-tier orders of one pool, and the read pins of its
-        fetches that ran (``tier_settle.lua``)."""
+                          release: list[str] = (), forget: list[int] = ()) -> dict[str, Any]:
+        """The worker's word on lower-tier orders of one pool, the read pins of its
+        fetches that ran, and the blocks whose hashes go (``tier_settle.lua``)."""
         return await self._call("tier_settle", keys.pool_keys(pool_id),
-                                {"pool": pool_id, "epoch": epoch, "settled": settled, "release": list(release)})
+                                {"pool": pool_id, "epoch": epoch, "settled": settled, "release": list(release),
+                                 "forget": list(forget)})
 
     async def draining(self, pool_id: str) -> bool:
         """Whether the pool is being drained (``kvservice drain``): it takes no new

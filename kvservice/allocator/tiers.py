@@ -95,11 +95,12 @@ class TierOps:
     store: Store
 
     async def settle_tiers(self, pool_id: str, epoch: int, settled: list[tuple[int, int, bytes, bool]],
-                           release_pins: list[str] = ()) -> tuple[int, int]:
+                           release_pins: list[str] = (), forget_blocks: list[int] = ()) -> tuple[int, int, int]:
         """Settles lower-tier entries of one pool (``tier_settle.lua``): a confirmed copy
         makes its entry usable, a failed copy or load drops it; releases the read pins of
-        fetches from the pool that ran. Returns how many entries still held their hash and
-        how many pins were released."""
+        fetches from the pool that ran; drops the hashes of ``forget_blocks`` (blocks whose
+        content is not what their hash says). Returns how many entries still held their
+        hash, how many pins were released and how many blocks lost a hash."""
         check_pool_arg(pool_id)
         if not 1 <= epoch <= MAX_INT:
             raise errors.InvalidArgument(f"epoch must be in 1..{MAX_INT}, got {epoch}")
@@ -119,7 +120,12 @@ class TierOps:
         for i, pin in enumerate(release_pins):
             if not PIN_ID.fullmatch(pin):
                 raise errors.InvalidArgument(f"release_pins[{i}] {echo(pin)} is not a pin id (32 hex digits)")
-        if not rows and not release_pins:
-            return 0, 0
-        reply = await self.store.tier_settle(pool_id, epoch, rows, list(release_pins))
-        return int(reply["settled"]), int(reply.get("released", 0))
+        if len(forget_blocks) > MAX_SETTLEMENTS:
+            raise errors.InvalidArgument(f"at most {MAX_SETTLEMENTS} forget_blocks per call, got {len(forget_blocks)}")
+        for i, b in enumerate(forget_blocks):
+            if not 0 <= b <= MAX_INT:
+                raise errors.InvalidArgument(f"forget_blocks[{i}] {b} is out of range")
+        if not rows and not release_pins and not forget_blocks:
+            return 0, 0, 0
+        reply = await self.store.tier_settle(pool_id, epoch, rows, list(release_pins), list(forget_blocks))
+        return int(reply["settled"]), int(reply.get("released", 0)), int(reply.get("forgotten", 0))

@@ -123,6 +123,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Blocks and tier entries of this pool pinned for fetches by other pools' workers."),
     _m("pool_fetch_pins_expired_total", "counter", POOL, "exporter",
        "Read pins released at their deadline rather than by their fetch's settlement (a fetch lost with its engine)."),
+    _m("pool_forgotten_blocks_total", "counter", POOL, "exporter",
+       "Cached blocks whose hash was dropped because their content is not what it says (a prompt a failed step never "
+       "wrote, a failed load or fetch; SettleTiers forget_blocks)."),
     # --- lower tiers (DESIGN §12), per pool and tier (host, disk), from Redis, exported by the exporter
     _m("pool_tier_capacity_blocks", "gauge", ("pool", "tier"), "exporter", "Entries (blocks) of the pool's tier."),
     _m("pool_tier_used_blocks", "gauge", ("pool", "tier"), "exporter",
@@ -211,6 +214,7 @@ POOL_COUNTERS = {
     "fetch_pins": "pool_fetch_pins_total",
     "fetch_pinned_blocks": "pool_fetch_pinned_blocks_total",
     "fetch_pins_expired": "pool_fetch_pins_expired_total",
+    "forgotten_blocks": "pool_forgotten_blocks_total",
 }
 POOL_GAUGES = {
     "num_blocks": "pool_capacity_blocks",

@@ -213,7 +213,7 @@ class ForwardPath:
             # The pool lives on (the worker may come back at the same epoch): the prompts
             # this step did not write keep the hashes their creates gave them.
             for epoch in {b.seq.epoch for j in jobs for b in j.branches if b.seq is not None and b.seq.pool == pool}:
-                self._tainted.setdefault((pool, epoch), set()).update(self._unwritten.get(pool, ()))
+                self._taint(pool, epoch, set(self._unwritten.get(pool, ())))
         log.warning("the worker of pool %s failed a step (%s: %s): %d request(s) recomputed elsewhere",
                     pool, type(exc).__name__, exc, len(jobs))
         self.report.worker_failures += 1

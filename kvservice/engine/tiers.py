@@ -62,9 +62,7 @@ class TierPath:
                 # fill are recomputed by their readers)
                 log.warning("pool %s: %d lower-tier orders not run (%s: %s)", pool, len(group),
                             type(exc).__name__, exc)
-                loads = {o.dst for o in group if not o.dst_tier}
-                if loads:
-                    self._tainted.setdefault((pool, epoch), set()).update(loads)
+                self._taint(pool, epoch, {o.dst for o in group if not o.dst_tier})
                 continue
             settled, failed = [], set()
             for o, res in zip(group, response.results):
@@ -81,24 +79,32 @@ class TierPath:
                                                      ok=False))
                     log.warning("pool %s: load of %s entry %d into block %d failed (%s): recomputed", pool,
                                 "host" if o.src_tier == 1 else "disk", o.src, o.dst, res.error)
-            if failed:       # (recomputed by their readers: _recompute_tainted, right after)
-                self._tainted.setdefault((pool, epoch), set()).update(failed)
+            # (recomputed by their readers: _recompute_tainted, right after; their hashes
+            # forgotten in the call that drops the entries they failed to load)
+            self._taint(pool, epoch, failed, forget=False)
             if settled:
-                self._executor.submit(self._settle, pool, epoch, settled)
+                self._executor.submit(self._settle, pool, epoch, settled, (), sorted(failed))
 
     def _run_fetches(self, groups: dict[tuple[str, int, str, int], list[pb.TierOrder]]) -> None:
         """Fetches (DESIGN §13): each destination pool's worker pulls its blocks from the
         source pool's worker (``FetchBlocks``). A block that did not arrive (its source
         gone, a checksum, a pin lost: src -1) is recomputed by its readers, as a failed
         load; the source's pins are released once their fetches ran."""
-        runnable = {key: [o for o in group if o.src >= 0] for key, group in groups.items()}
+        def readable(key: tuple[str, int, str, int], o: pb.TierOrder) -> bool:
+            # (a device block of the source that this engine knows unwritten: a prompt not
+            # computed yet, or tainted, its hash not forgotten yet; fetched, it would be
+            # wrong KV)
+            _, _, source, source_epoch = key
+            return o.src >= 0 and (o.src_tier or (o.src not in self._unwritten.get(source, ()) and
+                                                  o.src not in self._tainted.get((source, source_epoch), ())))
+        runnable = {key: [o for o in group if readable(key, o)] for key, group in groups.items()}
         calls = {key: self._executor.submit(self._fetch_call, key, group)
                  for key, group in runnable.items() if group}
         r = self.report
         release: dict[tuple[str, int], set[str]] = {}
         for key, group in groups.items():
             pool, epoch, source, source_epoch = key
-            failed = {o.dst for o in group if o.src < 0}
+            failed = {o.dst for o in group if not readable(key, o)}
             response = None
             if key in calls:
                 try:
@@ -111,7 +117,7 @@ class TierPath:
                                 source, type(exc).__name__, exc)
                     response = None
                     r.fetch_failures += len(runnable[key])
-                    self._tainted.setdefault((pool, epoch), set()).update(o.dst for o in runnable[key])
+                    self._taint(pool, epoch, {o.dst for o in runnable[key]})
                 if response is not None:
                     errors_seen = [res.error for res in response.results if not res.ok]
                     failed.update(o.dst for o, res in zip(runnable[key], response.results) if not res.ok)
@@ -121,8 +127,7 @@ class TierPath:
             if response is not None or key not in calls:
                 r.fetched_blocks += len(group) - len(failed)
             r.fetch_failures += len(failed)
-            if failed:       # (recomputed by their readers: _recompute_tainted, right after)
-                self._tainted.setdefault((pool, epoch), set()).update(failed)
+            self._taint(pool, epoch, failed)   # (recomputed by their readers: _recompute_tainted, right after)
             release.setdefault((source, source_epoch), set()).update(o.pin_id for o in group if o.pin_id)
         for (source, source_epoch), pins in release.items():
             if pins:
@@ -157,15 +162,28 @@ class TierPath:
         except grpc.RpcError as exc:
             raise to_domain_error(exc) from None
 
-    def _settle(self, pool: str, epoch: int, settled: list[pb.TierSettlement], release_pins: list[str] = ()) -> None:
-        """Passes the worker's word on to the allocator, and releases the read pins of the
-        fetches that ran (a failure only delays an entry's use: unconfirmed, it is taken
-        back after a minute; a pin is released at its deadline)."""
+    def _taint(self, pool: str, epoch: int, blocks: set[int], forget: bool = True) -> None:
+        """Blocks of ``pool`` whose content is not what their hash says (a load or fetch
+        that failed, a prompt that a failed step never wrote): this engine's readers of
+        them recompute them (``_recompute_tainted``), and the allocator forgets their
+        hashes (in the background; ``forget`` False: the caller has them forgotten), so
+        that no other create, copy down or fetch reads them."""
+        if blocks:
+            self._tainted.setdefault((pool, epoch), set()).update(blocks)
+            if forget:
+                self._executor.submit(self._settle, pool, epoch, [], (), sorted(blocks))
+
+    def _settle(self, pool: str, epoch: int, settled: list[pb.TierSettlement], release_pins: list[str] = (),
+                forget: list[int] = ()) -> None:
+        """Passes the worker's word on to the allocator, releases the read pins of the
+        fetches that ran, and has the hashes of ``forget`` dropped (a failure only delays
+        an entry's use: unconfirmed, it is taken back after a minute; a pin is released at
+        its deadline; a block not forgotten stays known to this engine as tainted)."""
         try:
-            self.client.settle_tiers(pool, epoch, settled, list(release_pins))
+            self.client.settle_tiers(pool, epoch, settled, list(release_pins), list(forget))
         except errors.KvsError as exc:
-            log.warning("pool %s: %d lower-tier entries not settled, %d pins not released (%s: %s)", pool,
-                        len(settled), len(release_pins), type(exc).__name__, exc)
+            log.warning("pool %s: %d lower-tier entries not settled, %d pins not released, %d hashes not dropped "
+                        "(%s: %s)", pool, len(settled), len(release_pins), len(forget), type(exc).__name__, exc)
 
     def _recompute_tainted(self) -> None:
         """Each step: the tainted blocks of each pool's current epoch are recomputed by

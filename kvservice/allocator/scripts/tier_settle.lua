@@ -2,15 +2,20 @@
 --- client passes it on: each copy down a tier that succeeded makes its pending entry ready;
 --- a copy that failed, or a load whose bytes failed their checksum, drops the entry (its
 --- content is recomputed when next needed: wrong KV is never served). Also releases the
---- read pins of fetches from this pool that are done (lib/pins).
+--- read pins of fetches from this pool that are done (lib/pins), and forgets the hashes of
+--- device blocks whose content is not what their hash says (a prompt a failed step never
+--- wrote, a failed load or fetch): no create, load or fetch reads them after this; a lower
+--- tier entry of such a hash goes too (it may be a copy of that content), unless a fetch
+--- pins it; a cached block that no table holds becomes free.
 ---
 --- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch (the pool's epoch when the orders were given),
 ---   settled = [[tier code (1 host, 2 disk), entry, hash hex, ok]], release = [pin id]
----   (optional)}
+---   (optional), forget = [device block id] (optional)}
 --- Returns msgpack {epoch, settled (how many entries still held their hash and were
 ---   settled; the others were taken back or reused meanwhile), released (pins released;
----   the others were gone: released or past their deadline)}; or an error (lib/codec):
+---   the others were gone: released or past their deadline), forgotten (blocks of forget
+---   that held a hash)}; or an error (lib/codec):
 ---   NOT_FOUND, FAILED_PRECONDITION (reason EPOCH_CHANGED: orders of an earlier epoch,
 ---   whose entries were dropped or freed when the pool re-registered).
 --- @include "lib/tiers"
@@ -34,8 +39,29 @@ local _, res = guarded(function()
   for _, id in ipairs(p.release or {}) do
     if PINS.release(id) then released = released + 1 end
   end
-  if n + released > 0 then changed() end
+  local forgotten = 0
+  for _, id in ipairs(p.forget or {}) do
+    local b = string.format('%d', id)
+    local h = redis.call('HGET', K_B2H, b)
+    if h then
+      forgotten = forgotten + 1
+      redis.call('HDEL', K_B2H, b)
+      if redis.call('HGET', K_H2B, h) == b then redis.call('HDEL', K_H2B, h) end
+      if redis.call('ZREM', K_EVICT, b) == 1 then redis.call('RPUSH', K_FREE, b) end
+      for _, t in ipairs(TIER.name) do
+        if TIER.entries(t) > 0 then
+          local e = redis.call('HGET', K_TIERS[t].h2e, h)
+          if e and not PINS.holds(t, e) then
+            TIER.forget(t, e)
+            redis.call('RPUSH', K_TIERS[t].free, e)
+          end
+        end
+      end
+    end
+  end
+  stats.forgotten_blocks = forgotten
+  if n + released + forgotten > 0 then changed() end
   incr_stats(stats)
-  return reply({epoch = epoch, settled = n, released = released})
+  return reply({epoch = epoch, settled = n, released = released, forgotten = forgotten})
 end)
 return res
