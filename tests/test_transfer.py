@@ -18,7 +18,8 @@ from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.tiers import LoadFailed
-from worker.transfer import Assembler, Piece, block_checksum, decode, encode, from_message, pieces, verify
+from worker.transfer import (Assembler, Piece, block_checksum, decode, device_messages, encode, from_message, pieces,
+                             verify)
 
 BS = 16
 #: 4 layers x 4 KV heads x 64 dims x 16 slots x float32, K and V: 131,072 bytes a block,
@@ -84,6 +85,31 @@ def test_the_wire_format_is_block_chunk_s_both_ways():
     for bad in (b"\x0a\x05ab", b"\x0a\x80"):
         with pytest.raises(ValueError):
             decode(bad)
+
+
+def test_device_blocks_gathered_into_their_messages_are_block_chunks_protobuf_reads():
+    """``device_messages``: whole device blocks written straight into their messages, with
+    fields of fixed width; protobuf and ``decode`` read them as the pieces of those blocks
+    (their bytes as ``block_bytes`` reads them, their checksums)."""
+    from worker.pool import KVPool, PoolShape
+    from worker.tiers import block_bytes
+
+    shape = PoolShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=9, dtype=torch.float32)
+    pool = KVPool(shape, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    pool.k_caches.copy_(torch.randn(pool.k_caches.shape, generator=g))
+    pool.v_caches.copy_(torch.randn(pool.v_caches.shape, generator=g))
+    asked = [7, 0, 3, 3, 8]
+    bpb = shape.bytes_per_block
+    messages = list(device_messages(pool, list(enumerate(asked)), 2 * bpb + 10))
+    assert len(messages) == 3                                # (two whole blocks a message)
+    parsed = [p for m in messages for p in pb.BlockChunk.FromString(m).pieces]
+    assert [(p.position, p.offset, p.last, p.error) for p in parsed] == [(i, 0, True, "") for i in range(5)]
+    for p, block in zip(parsed, asked):
+        assert p.data == bytes(block_bytes(pool, block).numpy()) and p.checksum == block_checksum(p.data)
+    out = _assemble([decode(m) for m in messages], 5, bpb)
+    assert [(p, e) for p, _, e in out] == [(i, "") for i in range(5)]
+    assert [d for _, d, _ in out] == [bytes(block_bytes(pool, b).numpy()) for b in asked]
 
 
 def test_an_unreadable_block_a_flipped_byte_and_a_broken_stream_fail_only_their_blocks():

@@ -35,7 +35,7 @@ from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
 from worker.tiers import DiskTier, HostTier, Tiers, entries_for_budget
-from worker.transfer import GrpcTransport, Sources, serialize_chunk
+from worker.transfer import GrpcTransport, Sources, keep_freed_memory, serialize_chunk
 
 if TYPE_CHECKING:
     from worker.model import ModelRunner
@@ -336,6 +336,7 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         tls.credentials()
     credentials = ClientCredentials.from_env()
     fence = LeaseFence()
+    keep_freed_memory()     # (the messages of block transfers: worker/transfer.py)
     if settings.torch_threads:
         import torch
 

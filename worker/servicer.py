@@ -168,7 +168,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         chunk = _chunk_bytes(request.chunk_bytes)
         blocks = [(b.tier, b.index, b.block_hash) for b in request.blocks]
         sent = 0
-        async for message in transfer.serve(blocks, self._read, chunk):     # (serialized: serialize_chunk)
+        pool = self.pool if self.pool.epoch > 0 else None     # (unregistered: every block fails in _read)
+        async for message in transfer.serve(blocks, self._read, chunk, pool):     # (serialized: serialize_chunk)
             yield message
             sent += len(message)
         if self.sources is not None:

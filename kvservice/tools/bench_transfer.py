@@ -15,7 +15,7 @@ memory (``memcpy_gbps``). Gigabits are 10⁹ bits a second. Every round's blocks
 
 Usage::
 
-    kvservice bench-transfer [--batch-mib 32] [--rounds 16] [--chunk-kib 4096] [--json]
+    kvservice bench-transfer [--batch-mib 32] [--rounds 64] [--chunk-kib 4096] [--json]
 """
 
 from __future__ import annotations
@@ -217,8 +217,8 @@ def serve_raw(port_file: str, credentials_dir: str, chunk: int) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-mib", type=int, default=32,
                    help="MiB of blocks per fetch (default 32; at least 16 for the reference figures)")
-    p.add_argument("--rounds", type=int, default=16,
-                   help="rounds timed, each a fetch and a raw stream of as many bytes (default 16)")
+    p.add_argument("--rounds", type=int, default=64,
+                   help="rounds timed, each a fetch and a raw stream of as many bytes (default 64)")
     p.add_argument("--chunk-kib", type=int, default=4096,
                    help="KiB per stream message (default 4096; 64 to 16384)")
     p.add_argument("--num-blocks", type=int, default=96,
