@@ -80,7 +80,8 @@ def test_draining_a_worker_under_load_fails_no_request_and_changes_no_answer(smo
         print(run.stdout)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "unregistered" in run.stdout
-        assert not failures, failures
+        assert not failures, (failures, [x for x in stack.api.log().splitlines() if "WARNING" in x or "ERROR" in x
+                                         or x.startswith(("Traceback", "  ", "kvservice."))][-60:])
         assert during == before
         worker = stack.workers[0]
         assert wait_for(lambda: worker.proc.poll() is not None, timeout=15), "worker-0 did not stop"

@@ -92,7 +92,10 @@ class ForwardPath:
             draining = {pool for pool, p in listed.items() if p.draining and pool in self._stubs}
             for pool in draining - self._draining:
                 log.info("pool %s is being drained: its sequences move to other pools", pool)
-                self.client.leave_pool(pool)
+                try:
+                    self.client.leave_pool(pool)
+                except errors.KvsError as exc:      # (drained and unregistered meanwhile: nothing to give back)
+                    log.warning("giving the reserve in pool %s back failed (%s: %s)", pool, type(exc).__name__, exc)
             self._draining = draining
         decoders = any(self._roles.get(p) != "prefill" for p in self._stubs if p not in self._draining)
         handoff = {p for p in self._stubs if self._roles.get(p) == "prefill"} if decoders else set()
