@@ -127,7 +127,22 @@ class LocalSteps:
                     self._unanswered = (request, journals)
                     sync = (request, journals, time.monotonic())
                     self._sent_at = sync[2]
-                return self._step_once({}, {}, [], creates, sync=sync)
+                try:
+                    return self._step_once({}, {}, [], creates, sync=sync)
+                except errors.KvsError as exc:
+                    # A pool of the journal carried along left the registry or registered
+                    # again meanwhile (``_exchange`` does the same for a Sync of its own):
+                    # its journal is dropped, its sequences are lost, and the create goes
+                    # on without it.
+                    gone = getattr(exc, "reason", "") == "EPOCH_CHANGED" or (
+                        isinstance(exc, errors.NotFound) and "is not registered" in str(exc))
+                    if sync is None or not gone or not self._forget_reregistered():
+                        raise
+                    self._unanswered = None
+                    with self._lock:
+                        for pj in sync[1]:
+                            pj.sync_failed()
+                    return self._step_once({}, {}, [], creates)
         except errors.RolledBack as exc:
             return self._after_rollback(exc)      # (its resync takes the Sync lock)
 

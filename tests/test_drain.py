@@ -117,3 +117,24 @@ def test_the_drain_command_reports_what_it_does_and_refuses_an_unknown_pool(two)
     done = drain("a")
     assert done.returncode == 0 and "unregistered" in done.stdout, done.stdout + done.stderr
     assert [p.pool_id for p in c.pools()] == ["b"]
+
+
+def test_a_create_carrying_the_journal_of_a_pool_unregistered_meanwhile_goes_on(any_redis_url):
+    """Local mode: a create that carries the pending journal (it commits blocks) while one
+    of its pools was unregistered by force (``kvservice drain --force``): the client
+    forgets that pool, its sequences there are lost, and the create goes on without it."""
+    with ServerThread(any_redis_url) as s, Client(s.target) as admin, \
+            Client(s.target, tenant="t1", lease_ttl=30.0, local=True, flush_interval=60.0) as c:
+        c.register_pool("a", num_blocks=64, block_size=BS)
+        c.register_pool("b", num_blocks=64, block_size=BS)
+        there = c.create(PROMPT, pool="a")
+        c.step({there: [1, 2]})                     # (fills a block; a Sync goes at once)
+        c.step({there: [3, 4, 5, 6]})               # (fills another: a commit the journal holds)
+        assert c._journals["a"].pending
+        admin.drain_pool("a")
+        admin.unregister_pool("a", force=True)
+        made = c.create(list(range(200, 210)), pool="b")
+        assert made.pool == "b" and there.lost
+        made.free()
+        c.flush()
+        assert audit(any_redis_url) == []
