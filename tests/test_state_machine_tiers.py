@@ -2,7 +2,8 @@
 real allocator (gRPC server, Lua in a real Redis, the SDK) driven by creates and frees
 that evict blocks (offload orders), hit the host and disk tiers (load orders) and evict
 tier entries (host -> disk orders, reused entries), by settlements that confirm or fail
-copies, by failed loads and by re-registrations that keep the disk tier or not; beside a
+copies, by failed loads, by hashes forgotten (SettleTiers forget_blocks) and by
+re-registrations that keep the disk tier or not; beside a
 model of every tier entry's state (pending with a hash, ready with a hash).
 
 What runs: one ``ServerThread`` over the ``redis_url`` Redis (and the local Redis Cluster);
@@ -188,6 +189,25 @@ class TierMachine(RuleBasedStateMachine):
         self.counts[(NAMES[key[0]], "load_failures")] += 1
         type(self).coverage["load failed"] += 1
 
+    @rule(data=st.data())
+    def forget(self, data):
+        """A device block whose content is not what its hash says (SettleTiers
+        forget_blocks): its hash goes, and every tier entry of that hash with it."""
+        with sync_redis(self.redis_url) as r:
+            cached = {int(b): bytes.fromhex(h.decode()) for b, h in r.hgetall(keys.pool_key(self.pool, "b2h")).items()}
+        if not cached:
+            return
+        block = data.draw(st.sampled_from(sorted(cached)))
+        h = cached[block]
+        self.client.settle_tiers(self.pool, self.epoch, [], [], [block])
+        for held in (self.ready, self.pending):
+            for key in [k for k, v in held.items() if v == h]:
+                del held[key]
+        with sync_redis(self.redis_url) as r:
+            assert not r.hexists(keys.pool_key(self.pool, "h2b"), h.hex())
+            assert not r.hexists(keys.pool_key(self.pool, "b2h"), str(block))
+        type(self).coverage["hash forgotten"] += 1
+
     @precondition(lambda self: self.creates >= 6 and self.reregistrations < 3)
     @rule(kept=st.booleans())
     def reregister(self, kept):
@@ -225,5 +245,5 @@ def test_tier_state_machine(redis_url):
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     print("\ntier state machine coverage:", dict(sorted(TierMachine.coverage.items())))
     for needed in ("device -> host", "host -> disk (a host entry evicted)", "load", "settled ok", "copy failed",
-                   "load failed", "re-registered, disk kept"):
+                   "load failed", "re-registered, disk kept", "hash forgotten"):
         assert TierMachine.coverage[needed] > 0, needed
