@@ -131,17 +131,11 @@ class LocalSteps:
                     return self._step_once({}, {}, [], creates, sync=sync)
                 except errors.KvsError as exc:
                     # A pool of the journal carried along left the registry or registered
-                    # again meanwhile (``_exchange`` does the same for a Sync of its own):
-                    # its journal is dropped, its sequences are lost, and the create goes
-                    # on without it.
-                    gone = getattr(exc, "reason", "") == "EPOCH_CHANGED" or (
-                        isinstance(exc, errors.NotFound) and "is not registered" in str(exc))
-                    if sync is None or not gone or not self._forget_reregistered():
+                    # again meanwhile (as for a Sync of its own: ``_exchange``): its
+                    # journal is dropped, its sequences are lost, and the create goes on
+                    # without it.
+                    if sync is None or not self._drop_gone_pools(exc, sync[1]):
                         raise
-                    self._unanswered = None
-                    with self._lock:
-                        for pj in sync[1]:
-                            pj.sync_failed()
                     return self._step_once({}, {}, [], creates)
         except errors.RolledBack as exc:
             return self._after_rollback(exc)      # (its resync takes the Sync lock)
@@ -511,13 +505,7 @@ class LocalSteps:
         except (grpc.RpcError, errors.KvsError) as exc:
             err = to_domain_error(exc) if isinstance(exc, grpc.RpcError) else exc
             definitive = True
-            gone = getattr(err, "reason", "") == "EPOCH_CHANGED" or (
-                isinstance(err, errors.NotFound) and "is not registered" in str(err))
-            if gone and self._forget_reregistered():
-                self._unanswered = None       # (not the journal's fault: built again without them)
-                with self._lock:
-                    for pj in journals:
-                        pj.sync_failed()
+            if self._drop_gone_pools(err, journals):
                 if background:
                     return False
                 raise _PoolsForgotten() from None
@@ -536,6 +524,21 @@ class LocalSteps:
                 return False
             raise err from None
         self._synced(reply, journals, sent_at)
+        return True
+
+    def _drop_gone_pools(self, err: errors.KvsError, journals: list[PoolJournal]) -> bool:
+        """A Sync refused because a pool of it left the registry or registered again
+        (``err``): drops the journals of such pools (``_forget_reregistered``) and the
+        unanswered Sync (not the journal's fault: built again without them); whether it
+        was that."""
+        gone = getattr(err, "reason", "") == "EPOCH_CHANGED" or (
+            isinstance(err, errors.NotFound) and "is not registered" in str(err))
+        if not gone or not self._forget_reregistered():
+            return False
+        self._unanswered = None
+        with self._lock:
+            for pj in journals:
+                pj.sync_failed()
         return True
 
     def _synced(self, reply: pb.SyncResponse, journals: list[PoolJournal], sent_at: float) -> None:

@@ -98,13 +98,14 @@ class TierPath:
             return o.src >= 0 and (o.src_tier or (o.src not in self._unwritten.get(source, ()) and
                                                   o.src not in self._tainted.get((source, source_epoch), ())))
         runnable = {key: [o for o in group if readable(key, o)] for key, group in groups.items()}
+        unreadable = {key: {o.dst for o in group} - {o.dst for o in runnable[key]} for key, group in groups.items()}
         calls = {key: self._executor.submit(self._fetch_call, key, group)
                  for key, group in runnable.items() if group}
         r = self.report
         release: dict[tuple[str, int], set[str]] = {}
         for key, group in groups.items():
             pool, epoch, source, source_epoch = key
-            failed = {o.dst for o in group if not readable(key, o)}
+            failed = set(unreadable[key])
             response = None
             if key in calls:
                 try:

@@ -51,10 +51,7 @@ local _, res = guarded(function()
       for _, t in ipairs(TIER.name) do
         if TIER.entries(t) > 0 then
           local e = redis.call('HGET', K_TIERS[t].h2e, h)
-          if e and not PINS.holds(t, e) then
-            TIER.forget(t, e)
-            redis.call('RPUSH', K_TIERS[t].free, e)
-          end
+          if e and not PINS.holds(t, e) then TIER.drop(t, e) end
         end
       end
     end

@@ -48,6 +48,12 @@ function TIER.forget(t, e)
   return h
 end
 
+-- Drops entry e of tier t (its hash, its state) and frees it.
+function TIER.drop(t, e)
+  TIER.forget(t, e)
+  redis.call('RPUSH', K_TIERS[t].free, e)
+end
+
 function TIER.pending(t, e, h)
   local k = K_TIERS[t]
   redis.call('HSET', k.h2e, h, e)
@@ -148,8 +154,7 @@ function TIER.settle(t, e, h, ok, stats)
     tier_stat(stats, t, 'confirmed')
     tier_stat(stats, t, 'lag_ms', math.max(0, TIER.clock() - since))
   else
-    TIER.forget(t, e)
-    redis.call('RPUSH', k.free, e)
+    TIER.drop(t, e)
     tier_stat(stats, t, since and 'failed_copies' or 'load_failures')
   end
   return true
