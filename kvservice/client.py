@@ -515,11 +515,12 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
     def register_pool(self, pool_id: str, *, num_blocks: int, block_size: int = 16, num_layers: int = 1,
                       num_kv_heads: int = 1, head_dim: int = 64, dtype: str = "float16",
                       worker_address: str = "", host_tier_blocks: int = 0, disk_tier_blocks: int = 0,
-                      disk_tier_kept: bool = False) -> pb.Pool:
+                      disk_tier_kept: bool = False, role: str = "") -> pb.Pool:
         geometry = Geometry(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype).to_pb()
         return self._call(self.stub.RegisterPool, pb.RegisterPoolRequest(
             pool_id=pool_id, geometry=geometry, worker_address=worker_address, request_id=new_request_id(),
-            host_tier_blocks=host_tier_blocks, disk_tier_blocks=disk_tier_blocks, disk_tier_kept=disk_tier_kept))
+            host_tier_blocks=host_tier_blocks, disk_tier_blocks=disk_tier_blocks, disk_tier_kept=disk_tier_kept,
+            role=role))
 
     # ------------------------------------------------------------ lower tiers (DESIGN §12)
     def _add_tier_orders(self, orders) -> None:

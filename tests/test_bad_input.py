@@ -473,6 +473,12 @@ for name, fields, code, msg, needed in PROMPT_CASES:
     row("Step", f"create-{name}", lambda b, f=fields: pb.StepRequest(lease_id=b.A, creates=[
         pb.CreateOp(token_ids=[7, 8, 9], pool_id="p0"), pb.CreateOp(**{"pool_id": "p0", **f})]), code, msg, needed)
 
+row("Step", "create-pool-role-unknown", lambda b: pb.StepRequest(lease_id=b.A, creates=[
+    pb.CreateOp(token_ids=[1, 2], pool_id="p0", pool_role="decode")]), IA, 'pool_role must be empty or "store", got')
+row("Step", "create-pool-role-store-naming-an-engine-pool", lambda b: pb.StepRequest(lease_id=b.A, creates=[
+    pb.CreateOp(token_ids=[1, 2], pool_id="p0", pool_role="store")]), IA,
+    'a create names pool p0 (role both) with pool_role "store"')
+
 # -- Step: sizes, update fields, commits, growth.
 row("Step", "empty-step", lambda b: pb.StepRequest(lease_id=b.A), IA, "a step needs at least one update or create")
 row("Step", "too-many-creates", lambda b: pb.StepRequest(lease_id=b.A, creates=[

@@ -66,7 +66,9 @@ class WorkerSettings(EnvSettings):
     #: The disk tier's size, GB (with disk_tier_dir).
     disk_tier_gb: float = 1.0
     #: What the engine runs on this worker's pool (DESIGN §13): "both"; "prefill" (prompts
-    #: are computed here, then their sequences move to a decode worker); "decode".
+    #: are computed here, then their sequences move to a decode worker); "decode"; or
+    #: "store": K/V only, the bytes behind a KV store that external engines' connectors
+    #: write and read (DESIGN §15, docs/integrations.md).
     role: str = "both"
     #: Seconds between heartbeats to the allocator.
     heartbeat_interval: float = 2.0
@@ -108,8 +110,10 @@ class WorkerSettings(EnvSettings):
         if not (0 <= self.host_tier_gb < 1e6) or not (0 < self.disk_tier_gb < 1e6):
             raise ValueError(f"host_tier_gb must be >= 0 and disk_tier_gb > 0 (GB), got {self.host_tier_gb} "
                              f"and {self.disk_tier_gb}")
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role not in ("both", "prefill", "decode", "store"):
+            raise ValueError(f"role must be both, prefill, decode or store, got {self.role!r}")
+        if self.role == "store" and self.model:
+            raise ValueError("a store worker (role store) serves K/V only: no model")
         if self.disk_tier_dir and not self.host_tier_gb:
             raise ValueError("a disk tier (disk_tier_dir) keeps blocks evicted from the host tier: "
                              "give host_tier_gb too")

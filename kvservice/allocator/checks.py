@@ -105,4 +105,6 @@ def check_create(c: Create, max_sequence_tokens: int) -> bytes:
         check_pool_arg(c.pool_id)
     if len(c.extra_key) > 1024:
         raise errors.InvalidArgument("extra_key is longer than 1024 bytes")
+    if c.pool_role not in ("", "store"):
+        raise errors.InvalidArgument(f"pool_role must be empty or \"store\", got {echo(c.pool_role)}")
     return data

@@ -40,7 +40,7 @@ REAP_CONCURRENCY = 16
 REAP_CALL_TIMEOUT = 2.0
 DEFAULT_PAGE, MAX_PAGE = 100, 1000
 #: What the engine runs on a pool (RegisterPoolRequest.role, DESIGN §13).
-ROLES = ("both", "prefill", "decode")
+ROLES = ("both", "prefill", "decode", "store")
 
 
 class Allocator(StepOps, ReserveOps, TierOps):

@@ -65,6 +65,10 @@ class Create:
     tier_loads: bool = False
     #: the caller runs fetches from other pools' workers (StepRequest.fetches)
     fetches: bool = False
+    #: the blocks past the cached prefix get their hashes from later commits (CreateOp.defer_commits)
+    defer_commits: bool = False
+    #: "" (the engine's pools) or "store": where a create without pool_id is placed
+    pool_role: str = ""
 
 
 @dataclass(slots=True)

@@ -244,6 +244,10 @@ class RunOps:
         stage_forks = bool(fork_blocks)
         create_blocks = sum(-(-(len(data) // 4) // geo.block_size) for _, _, data in items["creates"])
         stage_creates = create_blocks > s.max_blocks_per_call
+        if stage_creates and any(c.defer_commits for _, c, _ in items["creates"]):
+            raise errors.InvalidArgument(f"creates of {create_blocks} blocks in pool {pool_id} are staged in bounded "
+                                         f"calls (more than max_blocks_per_call, {s.max_blocks_per_call}): "
+                                         f"defer_commits is not allowed there")
 
         # Growth the pool cannot hold is refused first, before anything is applied.
         await self._check_room(pool_id, epoch, sum(more for more, _ in grows.values()))

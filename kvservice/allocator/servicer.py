@@ -113,7 +113,7 @@ def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
 
 def create_from_pb(c: Any, tier_loads: bool = False, fetches: bool = False) -> Create:
     # The repeated field goes as it is: it is read once, into bytes, by the allocator.
-    return Create(c.token_ids, c.pool_id, c.extra_key, tier_loads, fetches)
+    return Create(c.token_ids, c.pool_id, c.extra_key, tier_loads, fetches, c.defer_commits, c.pool_role)
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):

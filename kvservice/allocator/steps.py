@@ -117,11 +117,15 @@ class StepOps(RunOps):
         if request_id:
             digest = fingerprint("step", [lease_id, [(sid, payload) for items in by_pool.values()
                                                      for _, sid, payload in items["updates"]],
-                                          [(data, c.pool_id, c.extra_key) for c, data in zip(creates, packed)]])
+                                          [(data, c.pool_id, c.extra_key, c.defer_commits, c.pool_role)
+                                           for c, data in zip(creates, packed)]])
         if creates:
             explicit = sorted({c.pool_id for c in creates if c.pool_id})
             for pool_id in explicit:
                 await self.geometry(pool_id)
+                if any(c.pool_id == pool_id and c.pool_role and c.pool_role != self.role(pool_id) for c in creates):
+                    raise errors.InvalidArgument(f"a create names pool {pool_id} (role {self.role(pool_id)}) with "
+                                                 f"pool_role \"store\"")
                 if await self.store.draining(pool_id):
                     raise errors.FailedPrecondition(f"pool {pool_id} is being drained: it takes no new sequence",
                                                     reason="DRAINING")
@@ -273,7 +277,8 @@ class StepOps(RunOps):
             n = len(data) // 4
             hs = hashing.chain_hashes(root, data, bs, n // bs)
             creates.append({"epoch": epoch, "num_tokens": n, "root_hash": root.hex(),
-                            "block_hashes": [h.hex() for h in hs], "tier_loads": c.tier_loads})
+                            "block_hashes": [h.hex() for h in hs], "tier_loads": c.tier_loads,
+                            "defer": c.defer_commits})
             if j in fetch:
                 creates[-1]["fetch"] = {"from": fetch[j][0], "n": len(fetch[j][1])}
             items["hashes"].append(hs)
@@ -346,8 +351,11 @@ class StepOps(RunOps):
         num_tokens = len(data) // 4
         silence_ms = self.settings.placement_silence * 1000
         found = await self._scan_all(c, data, tenant, scans, c.tier_loads or c.fetches)
+        # (a store's pools take only the store's creates, and only they)
+        found = {p: x for p, x in found.items() if (self.role(p) == "store") == (c.pool_role == "store")}
         if not found:
-            raise errors.FailedPrecondition("no pool is registered")
+            raise errors.FailedPrecondition("no store pool is registered" if c.pool_role else
+                                            "no pool is registered (store pools take only a store's creates)")
         # (passed over: pools being drained; decode pools while a prefill or both pool is up)
         skip = {p for p in found if await self.store.draining(p)}
         if len(skip) == len(found):
@@ -523,7 +531,7 @@ class StepOps(RunOps):
                 epoch, g = await self.geometry(pool_id)
             except errors.NotFound:
                 continue
-            if not _same_kv(g, geo) or await self.store.draining(pool_id):
+            if not _same_kv(g, geo) or self.role(pool_id) == "store" or await self.store.draining(pool_id):
                 continue
             probe = await self._probe_prefix(pool_id, epoch, hashes)
             # (a prefill pool only when no decode or both pool can take it)

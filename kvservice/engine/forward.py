@@ -42,6 +42,8 @@ class ForwardPath:
         """Reads the pool list; connects to each pool's worker and checks they serve one model."""
         models = set()
         for p in self.client.pools():
+            if p.role == "store":
+                continue          # (a KV store's pool: external engines' connectors use it)
             self._num_blocks[p.pool_id] = p.geometry.num_blocks
             self._block_size[p.pool_id] = p.geometry.block_size
             self._roles[p.pool_id] = p.role or "both"

@@ -24,7 +24,8 @@
 ---     fetch (optional: {from, n}: another pool holds the chain's blocks from .. from + n - 1
 ---     pinned for a fetch, DESIGN §13; the lookup goes on through those), migrate (optional:
 ---     a live sequence moved here, all of whose blocks another pool holds pinned: the
----     lookup covers every block, hashed or not, the last token's too)}]
+---     lookup covers every block, hashed or not, the last token's too), defer (the blocks
+---     past the cached chain get no hash: the client commits them once written)}]
 --- Returns msgpack {epoch, generation, updates = [{num_tokens, num_committed_blocks, last_hash,
 ---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
 ---   children = [record]}], created = [record], copies = [[src, dst]], tier_orders =
@@ -380,7 +381,6 @@ local function create_sequences(bs, known, stats)
     if c.migrate then last = math.ceil(c.num_tokens / bs) end
     local rec = {l = lease, t = c.num_tokens, c = #hs, h = c.root_hash, k = 0, st = '', pages = {}, nb = 0, add = {},
                  new = true}
-    if #hs > 0 then rec.h = hs[#hs] end
     -- The chain through the tiers: each block cached on the device is shared, one in a
     -- lower tier (ready) is loaded into a new block (lib/tiers); the first miss ends it.
     -- A block another pool holds pinned for this create (c.fetch, positions from ..
@@ -407,6 +407,9 @@ local function create_sequences(bs, known, stats)
     for i = 1, n do
       if dev[i] then hits[#hits + 1] = dev[i] end
     end
+    -- (deferred: only the cached chain is committed; the client commits the rest once written)
+    if c.defer then rec.c = math.min(n, #hs) end
+    if rec.c > 0 then rec.h = hs[rec.c] end
     load_refs(hits)
     local add = rec.add
     local total = math.ceil(c.num_tokens / bs)
@@ -417,7 +420,7 @@ local function create_sequences(bs, known, stats)
         refs[b] = refs[b] + 1
       else
         b = placeholder()
-        if hs[i] then plan_hash(hs[i], b, known) end
+        if hs[i] and i <= rec.c then plan_hash(hs[i], b, known) end
         local l = lower[i]
         if l then
           loads[#loads + 1] = {TIER.code[l[1]], tonumber(l[2]), b, hs[i]}
