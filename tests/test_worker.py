@@ -159,6 +159,18 @@ def pull(*blocks: int, pool: str = "w0", epoch: int = 1, n: int = 1, chunk: int 
                                                blocks=[pb.BlockRef(index=b) for b in blocks] * n))
 
 
+def write_blocks(*ids: int, epoch: int = 1, n: int = 1, piece: pb.BlockPiece | None = None, later=()):
+    """A WriteBlocks stream: its first message (with ``piece``), then ``later`` ones."""
+    first = pb.WriteBlocksRequest(epoch=epoch, block_ids=list(ids) * n)
+    if piece is not None:
+        first.chunk.pieces.append(piece)
+    return ("WriteBlocks", iter([first, *later]))
+
+
+def read_blocks(*ids: int, epoch: int = 1, n: int = 1, chunk: int = 0):
+    return ("ReadBlocks", pb.ReadBlocksRequest(epoch=epoch, block_ids=list(ids) * n, chunk_bytes=chunk))
+
+
 def read(slots=(0,), layer: int = 0, epoch: int = 1):
     return ("ReadKV", pb.ReadKVRequest(epoch=epoch, layer=layer, slots=list(slots)))
 
@@ -237,6 +249,23 @@ BAD: list[tuple[str, Callable[[], tuple[str, Any]], grpc.StatusCode, str]] = [
     ("pull-stale-epoch", lambda: pull(0, epoch=2), FP, "request for epoch 2"),
     ("pull-chunk-too-big", lambda: pull(0, chunk=1 << 30), IA, "chunk_bytes: 65536 to 16777216"),
     ("pull-too-many", lambda: pull(0, n=65_537), IA, "at most 65536 blocks per call, got 65537"),
+    ("write-blocks-stale-epoch", lambda: write_blocks(0, epoch=3), FP, "request for epoch 3"),
+    ("write-blocks-empty-stream", lambda: ("WriteBlocks", iter([])), IA, "WriteBlocks: an empty stream"),
+    ("write-blocks-out-of-range", lambda: write_blocks(0, NUM_BLOCKS), IA,
+     f"block_ids[1] = {NUM_BLOCKS} is out of range 0..{NUM_BLOCKS - 1}"),
+    ("write-blocks-twice", lambda: write_blocks(4, 4), IA, "block_ids[1] = 4 appears twice"),
+    ("write-blocks-too-many", lambda: write_blocks(0, n=65_537), IA, "at most 65536 block_ids per call, got 65537"),
+    ("write-blocks-later-header", lambda: write_blocks(0, later=[pb.WriteBlocksRequest(epoch=1)]), IA,
+     "WriteBlocks message 1 sets epoch: only the first message names"),
+    ("write-blocks-piece-error", lambda: write_blocks(0, piece=pb.BlockPiece(last=True, error="gone")), IA,
+     "block_ids[0]: a piece carries an error ('gone')"),
+    ("write-blocks-piece-past-the-end", lambda: write_blocks(0, piece=pb.BlockPiece(position=1, data=b"x")), IA,
+     "a piece of position 1: block_ids has 1"),
+    ("write-blocks-no-bytes", lambda: write_blocks(5), IA, "block_ids[0] = 5: the stream ended before this block"),
+    ("read-blocks-stale-epoch", lambda: read_blocks(0, epoch=2), FP, "request for epoch 2"),
+    ("read-blocks-out-of-range", lambda: read_blocks(1, -1), IA, "block_ids[1] = -1 is out of range"),
+    ("read-blocks-chunk-too-small", lambda: read_blocks(0, chunk=4096), IA, "chunk_bytes: 65536 to 16777216"),
+    ("read-blocks-too-many", lambda: read_blocks(0, n=65_537), IA, "at most 65536 block_ids per call, got 65537"),
 ]
 
 
@@ -249,7 +278,7 @@ def test_bad_request_gets_its_status_and_leaves_the_pool_unchanged(worker, stub,
     rpc, request = build()
     with pytest.raises(grpc.RpcError) as info:
         reply = getattr(stub, rpc)(request, timeout=10)
-        if rpc == "PullBlocks":
+        if rpc in ("PullBlocks", "ReadBlocks"):
             list(reply)                  # (a stream's status comes with its end)
     assert info.value.code() == code, info.value.details()
     assert message in info.value.details()

@@ -72,13 +72,16 @@ def _requests(epoch: int, lease: str) -> dict[str, object]:
         "FetchBlocks": pb.FetchBlocksRequest(epoch=epoch, lease_id=lease, source_pool_id="worker-9", source_epoch=1,
                                              fetches=[pb.BlockFetch(src=0, dst=0)]),
         "PullBlocks": pb.PullBlocksRequest(pool_id="worker-0", epoch=epoch, blocks=[pb.BlockRef(index=0)]),
+        "WriteBlocks": pb.WriteBlocksRequest(epoch=epoch, lease_id=lease, block_ids=[0]),
+        "ReadBlocks": pb.ReadBlocksRequest(epoch=epoch, block_ids=[0]),
     }
 
 
 def _call(stub, method: str, request) -> object:
-    """One call; a stream (PullBlocks) read to its end."""
-    reply = getattr(stub, method)(request, timeout=10)
-    return list(reply) if method == "PullBlocks" else reply
+    """One call; a stream (PullBlocks, ReadBlocks) read to its end; WriteBlocks' request
+    stream is the one message."""
+    reply = getattr(stub, method)(iter([request]) if method == "WriteBlocks" else request, timeout=10)
+    return list(reply) if method in ("PullBlocks", "ReadBlocks") else reply
 
 
 def test_every_worker_method_refuses_callers_without_an_identity_or_of_the_wrong_role(stack):

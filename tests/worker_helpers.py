@@ -7,6 +7,8 @@ from typing import Any
 import torch
 
 from helpers import LoopThread
+from worker.fence import LeaseFence
+from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape
 from worker.server import create_server, set_serving
 
@@ -16,10 +18,12 @@ class WorkerThread(LoopThread):
 
     With ``model`` (a ``LlamaForCausalLM``), the worker serves it with ``Forward``; the
     pool's layers, KV heads and head dim must then be the model's (``model_shape``).
+    ``fence``: the dead leases (and generation) whose writes it refuses; ``metrics``: keep
+    its metrics in ``self.metrics`` (a registry to read, no HTTP server).
     """
 
     def __init__(self, shape: PoolShape, pool_id: str = "w0", model: Any = None, model_name: str = "",
-                 model_seed: int = 0) -> None:
+                 model_seed: int = 0, fence: LeaseFence | None = None, metrics: bool = False) -> None:
         super().__init__()
         self.pool = KVPool(shape, torch.device("cpu"))
         self.pool.epoch = 1
@@ -28,10 +32,13 @@ class WorkerThread(LoopThread):
         if model is not None:
             from worker.model import ModelRunner
             self.runner = ModelRunner(model, self.pool, model_name, model_seed)
+        self.fence = fence
+        self.metrics = WorkerMetrics(pool_id, self.pool, self.runner, fence) if metrics else None
 
     async def serve(self) -> None:
         self.server, self.port, health = await create_server(self.pool, self.pool_id, "127.0.0.1:0",
-                                                             runner=self.runner)
+                                                             runner=self.runner, metrics=self.metrics,
+                                                             fence=self.fence)
         await set_serving(health, True)
         await self.server.start()
 

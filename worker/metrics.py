@@ -81,6 +81,7 @@ class WorkerMetrics:
         self.fence = fence          # (worker.fence.LeaseFence: its refused writes)
         self.tiers = None           # (worker.tiers.Tiers: blocks moved between tiers)
         self.sources = None         # (worker.transfer.Sources: blocks moved between workers)
+        self.store = None           # (worker.store.StoreCounts: blocks written and read by store clients)
         self.registry = CollectorRegistry()
         self.rpc_seconds = histogram("rpc_duration_seconds", self.registry, RPC_BUCKETS)
         self.kernel_seconds = histogram("worker_kernel_duration_seconds", self.registry, KERNEL_BUCKETS)
@@ -126,6 +127,12 @@ class WorkerMetrics:
                 yield f
             f = family("worker_transfer_failed_blocks_total")
             f.add_metric(labels, float(sources.failed))
+            yield f
+        store = self.store
+        if store is not None:
+            f = family("worker_store_blocks_total")
+            f.add_metric([self.pool_id, "in"], float(store.written_blocks))
+            f.add_metric([self.pool_id, "out"], float(store.read_blocks))
             yield f
         f = family("worker_refused_writes_total")
         for reason, n in sorted((self.fence.refused if self.fence is not None else {}).items()):

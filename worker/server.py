@@ -120,11 +120,11 @@ def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
     return pool
 
 
-#: Who may call the Worker service: engines (tenants) and admins; other workers pull
-#: blocks (PullBlocks), and only they.
+#: Who may call the Worker service: engines and store clients (tenants) and admins; other
+#: workers pull blocks (PullBlocks), and only they.
 ROLES = {**{f"/{SERVICE_NAME}/{method}": frozenset(("tenant", "admin"))
             for method in ("Describe", "WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward", "MoveBlocks",
-                           "FetchBlocks")},
+                           "FetchBlocks", "WriteBlocks", "ReadBlocks")},
          f"/{SERVICE_NAME}/PullBlocks": frozenset(("worker",))}
 
 
@@ -173,15 +173,18 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
         fence = LeaseFence()
     fence.require_lease = fence.require_lease or authenticated
     servicer = WorkerServicer(pool, pool_id, allocator, runner, fence, tiers, sources)
+    if metrics is not None:
+        metrics.store = servicer.store
     return await build_server(address, [(add_worker_servicer, servicer)], [SERVICE_NAME],
                               interceptors=interceptors, max_message=MAX_MESSAGE, serving=False,
                               credentials=tls.credentials() if tls else None)
 
 
 def add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
-    """The generated ``add_WorkerServicer_to_server``, but for PullBlocks, whose messages
-    the servicer serializes itself (``worker.transfer.serve``: a block's bytes are copied
-    once into its message, not into a BlockChunk and again into its serialization)."""
+    """The generated ``add_WorkerServicer_to_server``, but for PullBlocks and ReadBlocks,
+    whose messages the servicer serializes itself (``worker.transfer.serve``: a block's
+    bytes are copied once into its message, not into a BlockChunk and again into its
+    serialization)."""
 
     class Capture:
         handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -194,9 +197,10 @@ def add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> No
 
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, Capture())
     handlers = Capture.handlers
-    handlers["PullBlocks"] = grpc.unary_stream_rpc_method_handler(
-        servicer.PullBlocks, request_deserializer=worker_pb2.PullBlocksRequest.FromString,
-        response_serializer=serialize_chunk)
+    for name, behaviour, request in (("PullBlocks", servicer.PullBlocks, worker_pb2.PullBlocksRequest),
+                                     ("ReadBlocks", servicer.ReadBlocks, worker_pb2.ReadBlocksRequest)):
+        handlers[name] = grpc.unary_stream_rpc_method_handler(behaviour, request_deserializer=request.FromString,
+                                                              response_serializer=serialize_chunk)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvservice import errors
 from kvservice.v1 import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
@@ -11,7 +11,7 @@ from worker import tensors
 from worker.fence import LeaseFence
 from worker.pool import KVPool
 from worker.tiers import Tiers
-from worker import transfer
+from worker import store, transfer
 
 if TYPE_CHECKING:
     from worker.model import ModelRunner
@@ -28,6 +28,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         fence: the dead leases whose writes are refused (``worker/fence.py``).
         tiers: the pool's lower tiers (``MoveBlocks``; None: none).
         sources: where other pools' workers are (``FetchBlocks``; None: fetches refused).
+
+    Attributes:
+        store: the blocks written and read for store clients (``WriteBlocks``, ``ReadBlocks``).
     """
 
     def __init__(self, pool: KVPool, pool_id: str, allocator: str = "", runner: ModelRunner | None = None,
@@ -40,6 +43,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.allocator = allocator
         self.runner = runner
         self.fence = fence if fence is not None else LeaseFence()
+        self.store = store.StoreCounts()
 
     def _check_epoch(self, epoch: int) -> None:
         current = self.pool.epoch
@@ -131,7 +135,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if request.source_pool_id == self.pool_id:
             raise errors.InvalidArgument(f"pool {self.pool_id} is this worker's own: a block of it is copied "
                                          f"(CopyBlocks) or loaded (MoveBlocks), not fetched")
-        chunk = _chunk_bytes(request.chunk_bytes)
+        chunk = transfer.check_chunk_bytes(request.chunk_bytes)
         for i, f in enumerate(request.fetches):
             if not 0 <= f.src_tier <= 2:
                 raise errors.InvalidArgument(f"fetches[{i}].src_tier: 0 (device), 1 (host), 2 (disk); got "
@@ -165,7 +169,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._check_epoch(request.epoch)
         if len(request.blocks) > transfer.MAX_BLOCKS:
             raise errors.InvalidArgument(f"at most {transfer.MAX_BLOCKS} blocks per call, got {len(request.blocks)}")
-        chunk = _chunk_bytes(request.chunk_bytes)
+        chunk = transfer.check_chunk_bytes(request.chunk_bytes)
         blocks = [(b.tier, b.index, b.block_hash) for b in request.blocks]
         sent = 0
         pool = self.pool if self.pool.epoch > 0 else None     # (unregistered: every block fails in _read)
@@ -174,6 +178,41 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sent += len(message)
         if self.sources is not None:
             self.sources.served(len(blocks), sent)
+
+    async def WriteBlocks(self, requests: AsyncIterator[pb.WriteBlocksRequest], context: Any) -> pb.WriteBlocksResponse:
+        first = await anext(requests, None)
+        if first is None:
+            raise errors.InvalidArgument("WriteBlocks: an empty stream (the first message names the blocks)")
+
+        async def check() -> None:      # (before each message's blocks: a lease may die mid-stream)
+            self._check_epoch(first.epoch)
+            self.fence.check(first.lease_id, "WriteBlocks")
+            await self.fence.check_generation(first.generation, "WriteBlocks")
+
+        await check()
+        block_ids = store.check_block_ids(first.block_ids, self.pool.shape.num_blocks, distinct=True)
+
+        async def chunks() -> AsyncIterator[list[transfer.Piece]]:
+            yield transfer.from_message(first.chunk)
+            i = 0
+            async for request in requests:
+                i += 1
+                extra = [f.name for f, _ in request.ListFields() if f.name != "chunk"]
+                if extra:
+                    raise errors.InvalidArgument(f"WriteBlocks message {i} sets {', '.join(extra)}: only the first "
+                                                 f"message names epoch, lease_id, generation and block_ids")
+                await check()
+                yield transfer.from_message(request.chunk)
+
+        return pb.WriteBlocksResponse(num_written=await store.receive(self.pool, block_ids, chunks(), self.store))
+
+    async def ReadBlocks(self, request: pb.ReadBlocksRequest, context: Any):
+        self._check_epoch(request.epoch)
+        block_ids = store.check_block_ids(request.block_ids, self.pool.shape.num_blocks, distinct=False)
+        chunk = transfer.check_chunk_bytes(request.chunk_bytes)
+        async for message in transfer.serve(store.device_refs(block_ids), self._read, chunk, self.pool):
+            yield message                # (serialized: serialize_chunk)
+        self.store.read_blocks += len(block_ids)
 
     def _read(self, tier: int, index: int, tag: bytes):
         if self.pool.epoch <= 0:
@@ -199,15 +238,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if request.return_logits:
             reply.logits.CopyFrom(tensors.encode(result.logits))
         return reply
-
-
-def _chunk_bytes(asked: int) -> int:
-    if not asked:
-        return transfer.DEFAULT_CHUNK_BYTES
-    if not transfer.MIN_CHUNK_BYTES <= asked <= transfer.MAX_CHUNK_BYTES:
-        raise errors.InvalidArgument(f"chunk_bytes: {transfer.MIN_CHUNK_BYTES} to {transfer.MAX_CHUNK_BYTES} "
-                                     f"(0: {transfer.DEFAULT_CHUNK_BYTES}), got {asked}")
-    return asked
 
 
 MAX_EXTRA_SAMPLES = 256

@@ -56,6 +56,20 @@ MAX_MESSAGE_BYTES = MAX_BLOCK_STREAM_MESSAGE
 assert MAX_MESSAGE_BYTES >= MAX_CHUNK_BYTES + (1 << 20)
 
 
+def check_chunk_bytes(asked: int) -> int:
+    """The bytes per message of a stream that asked for ``asked`` (0: the default).
+
+    Raises:
+        InvalidArgument: outside MIN_CHUNK_BYTES..MAX_CHUNK_BYTES.
+    """
+    if not asked:
+        return DEFAULT_CHUNK_BYTES
+    if not MIN_CHUNK_BYTES <= asked <= MAX_CHUNK_BYTES:
+        raise errors.InvalidArgument(f"chunk_bytes: {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES} "
+                                     f"(0: {DEFAULT_CHUNK_BYTES}), got {asked}")
+    return asked
+
+
 def read_block(pool: KVPool, tiers: Tiers | None, tier: int, index: int, tag: bytes) -> torch.Tensor:
     """A block's bytes (uint8 on the CPU): device block ``index``, or entry ``index`` of the
     host (1) or disk (2) tier once it passes its checksum and holds ``tag``.
@@ -509,15 +523,8 @@ async def fetch(transport: Transport, address: str, request: pb.PullBlocksReques
     writes: list[asyncio.Future] = []
 
     def write(done: list[tuple[int, Any, str, int]]) -> None:
-        for position, data, error, digest in done:
-            error = error or verify(data, digest)
-            if error:
-                failures[position] = error
-                continue
-            with warnings.catch_warnings():     # (a block read in place from its message: read-only)
-                warnings.simplefilter("ignore", UserWarning)
-                block = torch.frombuffer(data, dtype=torch.uint8)
-            put_block(pool, destinations[position], block)
+        for position, error in put_blocks(pool, destinations, done):
+            failures[position] = error
 
     timeout = PULL_SECONDS + len(destinations) * pool.shape.bytes_per_block / PULL_RATE
     try:
@@ -533,6 +540,23 @@ async def fetch(transport: Transport, address: str, request: pb.PullBlocksReques
     return failures
 
 
+def put_blocks(pool: KVPool, destinations: list[int], done: list[tuple[int, Any, str, int]]) -> list[tuple[int, str]]:
+    """Writes each block an ``Assembler`` completed (``done``) into device block
+    ``destinations[position]`` once it passes its checksum; returns (position, why) of
+    those it did not write (left as they were)."""
+    failed = []
+    for position, data, error, digest in done:
+        error = error or verify(data, digest)
+        if error:
+            failed.append((position, error))
+            continue
+        with warnings.catch_warnings():     # (a block read in place from its message: read-only)
+            warnings.simplefilter("ignore", UserWarning)
+            block = torch.frombuffer(data, dtype=torch.uint8)
+        put_block(pool, destinations[position], block)
+    return failed
+
+
 def _reason(exc: Exception) -> str:
     code, details = getattr(exc, "code", None), getattr(exc, "details", None)
     if callable(code) and callable(details):
@@ -540,7 +564,6 @@ def _reason(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
-__all__ = ["Assembler", "GrpcTransport", "LoadFailed", "Piece", "Sources", "Transport", "decode", "device_messages",
-           "keep_freed_memory",
-           "encode", "fetch",
-           "from_message", "pieces", "read_block", "serve", "serialize_chunk", "verify", "checksum"]
+__all__ = ["Assembler", "GrpcTransport", "LoadFailed", "Piece", "Sources", "Transport", "check_chunk_bytes", "decode",
+           "device_messages", "keep_freed_memory", "encode", "fetch", "from_message", "pieces", "put_blocks",
+           "read_block", "serve", "serialize_chunk", "verify", "checksum"]

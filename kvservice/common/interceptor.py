@@ -81,9 +81,10 @@ class RateLimitedLog:
 
 
 class UnaryInterceptor(grpc.aio.ServerInterceptor):
-    """Base of the server's interceptors: ``wrap(inner, method)`` wraps every unary handler,
-    ``wrap_stream(inner, method)`` every server-streaming one (unwrapped unless a subclass
-    says otherwise); other kinds of handler pass as they are."""
+    """Base of the server's interceptors: ``wrap(inner, method)`` wraps every unary handler
+    and every client-streaming one (``inner(request_iterator, context)`` is awaited for the
+    one reply just the same), ``wrap_stream(inner, method)`` every server-streaming one
+    (unwrapped unless a subclass says otherwise); bidirectional streams pass as they are."""
 
     def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         raise NotImplementedError
@@ -96,6 +97,11 @@ class UnaryInterceptor(grpc.aio.ServerInterceptor):
             self.wrap(handler.unary_unary, method),
             request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
+    def client_stream_handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return grpc.stream_unary_rpc_method_handler(
+            self.wrap(handler.stream_unary, method),
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
@@ -105,6 +111,8 @@ class UnaryInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 self.wrap_stream(handler.unary_stream, handler_call_details.method),
                 request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.stream_unary is not None:
+            return self.client_stream_handler(handler, handler_call_details.method)
         if handler.unary_unary is None:
             return handler
         return self.handler(handler, handler_call_details.method)
@@ -121,21 +129,47 @@ class ErrorInterceptor(UnaryInterceptor):
 
     def handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         guarded = self.wrap(handler.unary_unary, method)
-        deserialize = handler.request_deserializer
-        undecodable = self.undecodable
+        decode = self._decoder(handler.request_deserializer, method)
 
         async def decoded(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
-                request = deserialize(raw) if deserialize is not None else raw
-            except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
-                undecodable.warning("%s: undecodable request of %d bytes: %s", method, len(raw),
-                                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-                await abort(context, errors.InvalidArgument(
-                    f"the request body is not a valid {method.rsplit('/', 1)[-1]} request message ({len(raw)} bytes)"))
+                request = decode(raw)
+            except errors.InvalidArgument as exc:
+                await abort(context, exc)
             return await guarded(request, context)
 
         return grpc.unary_unary_rpc_method_handler(decoded, request_deserializer=None,
                                                    response_serializer=handler.response_serializer)
+
+    def client_stream_handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        guarded = self.wrap(handler.stream_unary, method)
+        decode = self._decoder(handler.request_deserializer, method)
+
+        async def decoded(raws: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+            async for raw in raws:
+                yield decode(raw)       # (an undecodable message: InvalidArgument, raised to the servicer)
+
+        async def call(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            return await guarded(decoded(raws), context)
+
+        return grpc.stream_unary_rpc_method_handler(call, request_deserializer=None,
+                                                    response_serializer=handler.response_serializer)
+
+    def _decoder(self, deserialize: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any]:
+        """The method's request decoder: raises InvalidArgument (logged, rate-limited) for a
+        body that is not its message."""
+        undecodable = self.undecodable
+
+        def decode(raw: bytes) -> Any:
+            try:
+                return deserialize(raw) if deserialize is not None else raw
+            except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's
+                undecodable.warning("%s: undecodable request of %d bytes: %s", method, len(raw),
+                                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                raise errors.InvalidArgument(f"the request body is not a valid {method.rsplit('/', 1)[-1]} "
+                                             f"request message ({len(raw)} bytes)") from None
+
+        return decode
 
     def wrap(self, inner: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         encode = self.encode_partial

@@ -171,9 +171,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _m("worker_transfer_failed_blocks_total", "counter", POOL, "worker",
        "Blocks a FetchBlocks did not write: the source could not read them, their checksum did not match, or the "
        "transfer failed (its source died, stalled or refused)."),
+    _m("worker_store_blocks_total", "counter", ("pool", "direction"), "worker",
+       "Blocks store clients moved: written into this pool (direction in, WriteBlocks) or read from it (out, "
+       "ReadBlocks)."),
     _m("worker_refused_writes_total", "counter", ("pool", "reason"), "worker",
-       "Writes (WriteKV, CopyBlocks, Forward, MoveBlocks, FetchBlocks) refused: LEASE_EXPIRED (a dead lease's), ROLLED_BACK (of another "
-       "generation than the pool's: a writer that has not resynchronised since its Redis restarted or failed over)."),
+       "Writes (WriteKV, CopyBlocks, Forward, MoveBlocks, FetchBlocks, WriteBlocks) refused: LEASE_EXPIRED (a dead "
+       "lease's), ROLLED_BACK (of another generation than the pool's: a writer that has not resynchronised since its "
+       "Redis restarted or failed over)."),
     # --- the OpenAI-compatible HTTP API (kvservice api)
     _m("api_requests_total", "counter", ("endpoint", "status"), "api",
        "Requests answered, by endpoint (completions, chat) and HTTP status (499: the client went away)."),
