@@ -41,8 +41,12 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: vllm
+.PHONY: vllm test-vllm
 vllm: $(VLLM_STAMP) $(GEN)
+
+# The tests with real vLLM instances (tests/test_vllm.py, marker vllm; ~6 min).
+test-vllm: install vllm
+	$(PY) -m pytest -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)

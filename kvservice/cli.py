@@ -1,5 +1,5 @@
 """``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, bench-tiers,
-bench-transfer, limits,
+bench-transfer, bench-vllm, limits,
 shards, many-pools, demo, simulate."""
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
-    from kvservice.tools import bench_serving, bench_tiers, bench_transfer, manypools
+    from kvservice.tools import bench_serving, bench_tiers, bench_transfer, bench_vllm, manypools
 
     _tool(sub, "bench-serving", bench_serving, "drive the HTTP API of a local stack with concurrent streaming chats "
           "(the openai client), and vLLM's server beside it with --vllm-python; print tokens/s and time to first "
@@ -353,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
           "recomputed and the time to first token")
     _tool(sub, "bench-transfer", bench_transfer, "blocks moved from one SmolLM2 worker to another on loopback "
           "(FetchBlocks over PullBlocks), beside raw gRPC streaming of the same bytes and a memory copy")
+    _tool(sub, "bench-vllm", bench_vllm, "vLLM's time to first token on a long shared prefix with the kvservice "
+          "connector (loading what another instance computed) and without it (make vllm)")
 
     from kvservice.tools.shards import DESCRIPTION as shards_description, add_arguments as shards_arguments
 
