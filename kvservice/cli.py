@@ -1,5 +1,5 @@
 """``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, bench-tiers,
-bench-transfer, bench-vllm, limits,
+bench-transfer, bench-vllm, bench-index, router, route, limits,
 shards, many-pools, demo, simulate."""
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_bench)
 
-    from kvservice.tools import bench_serving, bench_tiers, bench_transfer, bench_vllm, manypools
+    from kvservice.tools import bench_index, bench_serving, bench_tiers, bench_transfer, bench_vllm, manypools
 
     _tool(sub, "bench-serving", bench_serving, "drive the HTTP API of a local stack with concurrent streaming chats "
           "(the openai client), and vLLM's server beside it with --vllm-python; print tokens/s and time to first "
@@ -353,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
           "recomputed and the time to first token")
     _tool(sub, "bench-transfer", bench_transfer, "blocks moved from one SmolLM2 worker to another on loopback "
           "(FetchBlocks over PullBlocks), beside raw gRPC streaming of the same bytes and a memory copy")
+    _tool(sub, "bench-index", bench_index, "the KV event index at scale on a private Redis: events ingested per "
+          "second over ZMQ, and the lookup latency of a long prompt over a million indexed blocks")
     _tool(sub, "bench-vllm", bench_vllm, "vLLM's time to first token on a long shared prefix with the kvservice "
           "connector (loading what another instance computed) and without it (make vllm)")
 
@@ -396,6 +398,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/v1/chat/completions, /health, /metrics) over an allocator and its workers")
     api_arguments(p)
     p.set_defaults(func=_api)
+
+    from kvservice.events.cli import add_route_arguments, add_router_arguments, route_main, router_main
+
+    p = sub.add_parser("router", help="ingest the KV events of vLLM instances into an index (Redis) and route "
+                                      "prompts by it: gRPC kvservice.v1.Router, HTTP POST /route, /metrics")
+    add_router_arguments(p)
+    p.set_defaults(func=router_main)
+    p = sub.add_parser("route", help="ask a router which instance should take a prompt (token ids or text)")
+    add_route_arguments(p)
+    p.set_defaults(func=route_main)
 
     from kvservice.engine.demo import add_arguments as demo_arguments
 

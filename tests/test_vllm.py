@@ -197,3 +197,153 @@ def test_bench_vllm_measures_vllm_with_and_without_the_connector(folder):
     fig = json.loads(out.stdout)
     assert fig["prompt_tokens"] == 552 and fig["loaded_tokens"] == 512 and fig["load_failures"] == 0
     assert fig["ttft_ms_off"] > 0 and fig["ttft_ms_on"] > 0
+
+
+# ---------------------------------------------------------------- KV events and routing
+
+
+def test_vllms_own_decoder_reads_every_kind_of_event_kvservice_publishes(workdir):
+    from kvservice.events import wire
+    batches = [wire.Batch(1.5, [wire.BlockStored([b"\x01" * 32, 7], None, list(range(256)), 128, wire.MEDIUM_CPU),
+                                wire.BlockStored([9], 7, list(range(128)), 128, wire.MEDIUM_STORAGE, lora_name="a")]),
+               wire.Batch(2.0, [wire.BlockRemoved([b"\x01" * 32], wire.MEDIUM_GPU), wire.AllBlocksCleared()], 3)]
+    path = Path(workdir, "events.bin")
+    path.write_bytes(b"".join(len(p).to_bytes(4, "big") + p for p in map(wire.encode, batches)))
+    code = ("import sys, msgspec\n"
+            "from vllm.distributed.kv_events import KVEventBatch\n"
+            "data, out, i = open(sys.argv[1], 'rb').read(), [], 0\n"
+            "while i < len(data):\n"
+            "    n = int.from_bytes(data[i:i + 4], 'big'); i += 4\n"
+            "    b = msgspec.msgpack.Decoder(type=KVEventBatch).decode(data[i:i + n]); i += n\n"
+            "    out.append([b.ts, b.data_parallel_rank, [[type(e).__name__, msgspec.structs.asdict(e)] for e in b.events]])\n"
+            "print(repr(out))\n")
+    got = subprocess.run([VLLM_PYTHON, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    decoded = eval(got.stdout.strip().splitlines()[-1])         # (reprs of bytes, ints, strings and None)
+    assert [(ts, rank, [kind for kind, _ in events]) for ts, rank, events in decoded] == [
+        (1.5, None, ["BlockStored", "BlockStored"]), (2.0, 3, ["BlockRemoved", "AllBlocksCleared"])]
+    first, second = decoded[0][2][0][1], decoded[0][2][1][1]
+    assert (first["block_hashes"], first["parent_block_hash"], first["token_ids"], first["block_size"],
+            first["medium"]) == ([b"\x01" * 32, 7], None, list(range(256)), 128, "CPU")
+    assert (second["parent_block_hash"], second["lora_name"], second["medium"]) == (7, "a", "STORAGE")
+    assert decoded[1][2][0][1]["block_hashes"] == [b"\x01" * 32]
+
+
+def _vllm_server(folder: str, port: int, events: int, log: Path) -> subprocess.Popen:
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}",
+              "replay_endpoint": f"tcp://127.0.0.1:{events + 1}", "topic": "kv"}
+    return subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--served-model-name", "smollm2",
+         "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+         "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(config)],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=vllm_env())
+
+
+def _complete(port: int, prompt: list[int]) -> int:
+    """One completion of a token-id prompt; the prompt tokens vLLM served from its cache."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(
+        {"model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode(),
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as reply:
+        usage = json.loads(reply.read())["usage"]
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def _route(url: str, prompt: list[int]) -> dict:
+    req = urllib.request.Request(f"{url}/route", json.dumps({"token_ids": prompt}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def test_routing_by_kv_events_serves_shared_prefixes_from_vllms_caches(folder, workdir):
+    from kvservice.allocator.embedded import EmbeddedRedis
+
+    ports = [_free_port() for _ in range(2)]
+    events = [_free_port_pair() for _ in range(2)]
+    servers = [_vllm_server(folder, ports[i], events[i], Path(workdir, f"vllm-{i}.log")) for i in range(2)]
+    router = None
+    try:
+        with EmbeddedRedis(port=0) as redis:
+            for i in range(2):
+                _wait_healthy(servers[i], ports[i], Path(workdir, f"vllm-{i}.log"))
+            router = subprocess.Popen(
+                [sys.executable, "-m", "kvservice", "router", "--redis", redis.tcp_url, "--port", "0", "--http-port",
+                 "0", *[a for i in range(2) for a in ("--instance", f"vllm-{i}=tcp://127.0.0.1:{events[i]},"
+                                                                    f"tcp://127.0.0.1:{events[i] + 1}")]],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            line = router.stdout.readline()
+            assert "HTTP on" in line, line + router.stdout.read()[-2000:]
+            url = "http://" + line.split("HTTP on ")[1].split(",")[0]
+            time.sleep(1.0)                                   # (the router's SUB sockets connect)
+            rng = random.Random(33)
+            block = BLOCK_SIZE
+            prefixes = [[rng.randrange(100, 40000) for _ in range(4 * block)] for _ in range(8)]
+
+            def workload(sets: list[list[int]]) -> list[list[int]]:
+                return [p + [rng.randrange(100, 40000) for _ in range(20)] for _ in range(10) for p in sets]
+
+            routed_prompts, rr_prompts = workload(prefixes[:4]), workload(prefixes[4:])
+            best = (len(routed_prompts) - 4) * 4 * block    # (each prefix computed once, then always cached)
+            routed, chosen, reasons = 0, [], []
+            for prompt in routed_prompts:
+                answer = _route(url, prompt)
+                chosen.append(int(answer["instance"][-1]))
+                reasons.append(answer["reason"])
+                routed += _complete(ports[chosen[-1]], prompt)
+            rr = sum(_complete(ports[k % 2], prompt) for k, prompt in enumerate(rr_prompts))
+            print(f"routed by kvservice: {routed} of {best} prompt tokens cached ({routed / best:.1%}); "
+                  f"round-robin: {rr} ({rr / best:.1%}); instances {chosen}")
+            assert routed >= 0.9 * best and routed > rr
+            assert reasons.count("cache") >= len(routed_prompts) - 4
+            # each shared prefix stays where it was first computed
+            assert all(len({chosen[k] for k in range(j, len(chosen), 4)}) == 1 for j in range(4))
+
+            # an instance restarted mid-run: its entries go, and no cache-based traffic goes
+            # to it until its new events arrive
+            mine = next(p for p, c in zip(routed_prompts, chosen) if c == 0)
+            assert _route(url, mine)["instance"] == "vllm-0"
+            servers[0].kill()
+            servers[0].wait()
+            deadline = time.monotonic() + 30
+            while True:
+                cand = {c["instance"]: c for c in _route(url, mine)["candidates"]}
+                if cand["vllm-0"]["cached_blocks"] == 0:
+                    break
+                assert time.monotonic() < deadline, "the dead instance's blocks are still used"
+                time.sleep(0.5)
+            servers[0] = _vllm_server(folder, ports[0], events[0], Path(workdir, "vllm-0b.log"))
+            _wait_healthy(servers[0], ports[0], Path(workdir, "vllm-0b.log"))
+            assert {c["instance"]: c for c in _route(url, mine)["candidates"]}["vllm-0"]["cached_blocks"] == 0
+            fresh = [rng.randrange(100, 40000) for _ in range(3 * block)]
+            _complete(ports[0], fresh)                        # (its first events since the restart)
+            deadline = time.monotonic() + 30
+            while _route(url, fresh + [5])["candidates"][0]["instance"] != "vllm-0":
+                assert time.monotonic() < deadline, "the restarted instance's new blocks are not indexed"
+                time.sleep(0.5)
+            cand = {c["instance"]: c for c in _route(url, mine)["candidates"]}
+            assert cand["vllm-0"]["cached_blocks"] == 0       # (its old blocks are gone from the index)
+            metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+            assert 'kvservice_events_restarts_total{instance="vllm-0"} 1.0' in metrics
+    finally:
+        for s in servers:
+            s.terminate()
+        if router is not None:
+            router.terminate()
+        for p in [*servers, *([router] if router else [])]:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _free_port_pair() -> int:
+    """A port whose successor is free too (a publisher and its replay socket)."""
+    while True:
+        port = _free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue

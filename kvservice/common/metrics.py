@@ -41,7 +41,8 @@ class MetricSpec:
     ``name`` is the family name (a counter's samples add ``_total``, which the name
     already carries here); ``source`` says who exports it: ``allocator`` (every replica),
     ``exporter`` (the replica holding the exporter lease), ``worker``, ``both``
-    (allocator replicas and workers), or ``api`` (the HTTP API, ``kvservice api``).
+    (allocator replicas and workers), ``api`` (the HTTP API, ``kvservice api``), or
+    ``router`` (the KV event router, ``kvservice router``).
     """
 
     name: str
@@ -193,6 +194,19 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Prompt tokens of finished requests served by the prefix cache (usage.prompt_tokens_details.cached_tokens)."),
     _m("api_requests_running", "gauge", (), "api", "Requests with sequences in the KV pools."),
     _m("api_requests_waiting", "gauge", (), "api", "Requests waiting for KV blocks or a sequence slot."),
+    # --- the KV event router (kvservice router)
+    _m("events_ingested_total", "counter", ("instance",), "router", "KV events applied to the index, by instance."),
+    _m("events_dropped_batches_total", "counter", ("instance",), "router",
+       "Event batches an instance published that the router missed and its replay socket no longer had (the "
+       "instance's entries are then dropped)."),
+    _m("events_replay_requests_total", "counter", ("instance",), "router",
+       "Replay requests sent to an instance's replay socket (a gap in its sequence numbers)."),
+    _m("events_restarts_total", "counter", ("instance",), "router",
+       "Publishers seen numbering their batches from the start again (a restarted instance: its entries dropped)."),
+    _m("index_blocks", "gauge", ("instance",), "router", "Blocks the index knows an instance holds (any medium)."),
+    _m("route_lookup_seconds", "histogram", (), "router", "Time to rank the instances for one prompt."),
+    _m("routed_requests_total", "counter", ("instance", "reason"), "router",
+       "Prompts routed, by the instance chosen and why: cache (it caches part of the prompt) or load (none does)."),
 )
 BY_NAME = {m.name: m for m in CATALOGUE}
 #: Pool-stat counters in Redis (``PoolStats`` fields) -> catalogue names.
