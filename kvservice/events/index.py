@@ -20,6 +20,7 @@ Keys (one Redis, or a Redis Cluster: no call touches two keys):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Iterable
 
@@ -33,6 +34,8 @@ INSTANCES = PREFIX + "instances"
 MEDIUM_WEIGHT = {wire.MEDIUM_GPU: 1.0, wire.MEDIUM_CPU: 0.5, wire.MEDIUM_STORAGE: 0.25}
 #: Blocks looked up per round trip.
 LOOKUP_CHUNK = 64
+#: Instance hashes remembered per instance (``Index._remember``).
+RECENT = 65_536
 
 
 def _info_key(instance: str) -> str:
@@ -80,6 +83,17 @@ class Index:
 
     def __init__(self, redis: Any) -> None:
         self.r = redis
+        #: Per instance, its latest instance hash -> ours (a child's parent is most often the
+        #: block stored just before it: no round trip for it).
+        self._recent: dict[str, collections.OrderedDict[bytes, bytes]] = {}
+
+    def _remember(self, instance: str, pairs: Iterable[tuple[bytes, bytes]]) -> None:
+        recent = self._recent.setdefault(instance, collections.OrderedDict())
+        for k, v in pairs:
+            recent[k] = v
+            recent.move_to_end(k)
+        while len(recent) > RECENT:
+            recent.popitem(last=False)
 
     # ------------------------------------------------------------ instances
 
@@ -90,8 +104,10 @@ class Index:
         return {k.decode(): int(v) for k, v in self.r.hgetall(_info_key(instance)).items()}
 
     def set_info(self, instance: str, **fields: int) -> None:
-        self.r.sadd(INSTANCES, instance)
-        self.r.hset(_info_key(instance), mapping=fields)
+        with self.r.pipeline(transaction=False) as p:
+            p.sadd(INSTANCES, instance)
+            p.hset(_info_key(instance), mapping=fields)
+            p.execute()
 
     def num_blocks(self, instance: str) -> int:
         """Blocks the index knows the instance has stored (in any medium)."""
@@ -112,6 +128,7 @@ class Index:
             if cursor == 0:
                 break
         self.r.delete(key)
+        self._recent.pop(instance, None)
         return n
 
     def forget(self, instance: str) -> None:
@@ -141,14 +158,17 @@ class Index:
         if e.parent_block_hash is None:
             parent = chain_root(e.lora_name)
         else:
-            parent = self.r.hget(_map_key(instance), _vkey(e.parent_block_hash))
+            pk = _vkey(e.parent_block_hash)
+            parent = self._recent.get(instance, {}).get(pk) or self.r.hget(_map_key(instance), pk)
             if parent is None:
                 out.unchained += len(e.block_hashes)
                 return
         ours = hashing.chain_hashes(parent, e.token_ids[:bs * len(e.block_hashes)], bs, len(e.block_hashes))
         field = f"{instance}|{e.medium or wire.MEDIUM_GPU}"
+        pairs = [(_vkey(h), o) for h, o in zip(e.block_hashes, ours)]
+        self._remember(instance, pairs)
         with self.r.pipeline(transaction=False) as p:
-            p.hset(_map_key(instance), mapping={_vkey(h): o for h, o in zip(e.block_hashes, ours)})
+            p.hset(_map_key(instance), mapping=dict(pairs))
             for o in ours:
                 p.hset(_block_key(o), field, 1)
             p.execute()
@@ -171,6 +191,9 @@ class Index:
                 if not any(f.decode().startswith(instance + "|") for f in rest)]
         if gone:
             self.r.hdel(_map_key(instance), *gone)
+            recent = self._recent.get(instance, {})
+            for k in gone:
+                recent.pop(k, None)
         out.removed += len(known)
 
     # ------------------------------------------------------------ lookup
