@@ -232,3 +232,27 @@ def test_the_route_call_over_grpc_refuses_an_empty_prompt(router):
     with grpc.insecure_channel(target) as ch, pytest.raises(grpc.RpcError) as exc:
         rpb_grpc.RouterStub(ch).Route(rpb.RouteRequest(), timeout=10)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids or text" in exc.value.details()
+
+
+def test_a_router_with_a_tokenizer_routes_text(redis_url, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {w: i for i, w in enumerate(["[UNK]", *[f"w{i}" for i in range(20)]])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = " ".join(f"w{i}" for i in range(1, 14))                  # token ids 2 .. 14
+    pub = _publisher()
+    service = RouterService(redis_url, [Source("vllm-0", pub.bound, pub.replay_bound)],
+                            tokenizer=str(tmp_path / "tokenizer.json")).start()
+    web = http_server(service, "127.0.0.1", 0)
+    try:
+        time.sleep(0.5)
+        pub.publish("t", wire.Batch(1.0, [_stored(list(range(2, 15)), 0, 2)]))
+        _wait(lambda: service.index.info("vllm-0").get("last_seq") == 0, what="the batch")
+        status, out = _post(f"http://127.0.0.1:{web.server_address[1]}", {"text": text})
+        assert status == 200 and out["num_prompt_tokens"] == 13 and out["reason"] == "cache"
+        assert out["candidates"][0]["cached_blocks"] == 2
+    finally:
+        web.shutdown()
+        service.stop()
+        pub.close()
