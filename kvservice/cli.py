@@ -1,5 +1,5 @@
 """``kvservice`` command line: serve, up, api, token, certs, audit, health, bench, bench-serving, bench-tiers,
-bench-transfer, bench-vllm, bench-index, router, route, limits,
+bench-transfer, bench-vllm, bench-index, router, route, events, limits,
 shards, many-pools, demo, simulate."""
 
 from __future__ import annotations
@@ -405,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "prompts by it: gRPC kvservice.v1.Router, HTTP POST /route, /metrics")
     add_router_arguments(p)
     p.set_defaults(func=router_main)
+    from kvservice.events import pools as pool_events
+
+    p = sub.add_parser("events", help="publish the cache changes of kvservice's pools as vLLM KV events (ZMQ PUB "
+                                      "and replay sockets; an allocator started with --kv-events)",
+                       description=pool_events.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pool_events.add_arguments(p)
+    p.set_defaults(func=pool_events.main)
     p = sub.add_parser("route", help="ask a router which instance should take a prompt (token ids or text)")
     add_route_arguments(p)
     p.set_defaults(func=route_main)

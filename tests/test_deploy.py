@@ -62,10 +62,11 @@ OPERATIONS = ROOT / "docs" / "operations.md"
 #: The scrape job of each process that serves /metrics, the same in compose and Kubernetes.
 JOB_OF = {"allocator": "kvservice-allocator", "worker": "kvservice-worker", "api": "kvservice-api"}
 JOBS = set(JOB_OF.values())
-#: The processes that export the metrics of each ``MetricSpec.source`` (the KV event router,
-#: ``kvservice router``, routes vLLM instances, which the deployment does not run: none).
+#: The processes that export the metrics of each ``MetricSpec.source`` (the KV event router
+#: and publisher, ``kvservice router`` and ``kvservice events``, serve routers and vLLM
+#: instances, which the deployment does not run: none).
 SOURCE_PROCESSES = {"allocator": {"allocator"}, "exporter": {"allocator"}, "worker": {"worker"},
-                    "both": {"allocator", "worker"}, "api": {"api"}, "router": set()}
+                    "both": {"allocator", "worker"}, "api": {"api"}, "events": set(), "router": set()}
 #: ``KVSERVICE_*`` variables that a process reads beside its settings class: name -> the file reading it.
 EXTRA_ENV: dict[type, dict[str, str]] = {
     Settings: {},

@@ -53,6 +53,11 @@ class Settings(EnvSettings):
     #: Seconds without a heartbeat from a pool's worker after which placement puts the
     #: pool after every other (workers heartbeat every 2 s by default).
     placement_silence: float = 6.0
+    #: KV events (DESIGN §15): pools registered from now on record their cache changes (a
+    #: Redis stream per pool, written by the scripts that make them) and the token ids of
+    #: their blocks (``kvs:tok:<hash>``, an hour), for ``kvservice events`` to publish in
+    #: vLLM's format (docs/integrations.md).
+    kv_events: bool = False
     #: How long a read pin holds another pool's blocks for a create's fetch (seconds,
     #: DESIGN §13): the fetch runs before the create's first forward and its client
     #: releases the pin then; one never released (its client died) ends at this deadline.

@@ -89,7 +89,8 @@ class Allocator(StepOps, ReserveOps, TierOps):
                    "num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads,
                    "head_dim": geometry.head_dim, "dtype": geometry.dtype,
                    "worker_address": worker_address, "host_entries": host_tier_blocks,
-                   "disk_entries": disk_tier_blocks, "disk_kept": bool(disk_tier_kept), "role": role}
+                   "disk_entries": disk_tier_blocks, "disk_kept": bool(disk_tier_kept), "role": role,
+                   "events": self.settings.kv_events}
         payload["fingerprint"] = fingerprint("register", payload)
         reply = await self.store.register_pool(payload)
         self._geometry[pool_id] = (int(reply["epoch"]), geometry)

@@ -78,11 +78,12 @@ EXPORTER = f"{PREFIX}:exporter"
 POOL_KEY_NAMES = ("meta", "state", "free", "evict", "ref", "h2b", "b2h", "seqs",
                   "leases", "lseq", "dead", "stats", "tabs", "reserve", "journal", "held", "pins",
                   *(f"{tier}:{name}" for tier in ("host", "disk")
-                    for name in ("state", "free", "h2e", "e2h", "lru", "pend")))
+                    for name in ("state", "free", "h2e", "e2h", "lru", "pend")),
+                  "events")
 
 
 def pool_keys(pool_id: str) -> list[str]:
-    """The 29 keys of one pool, in script KEYS order."""
+    """The 30 keys of one pool, in script KEYS order."""
     return [f"{PREFIX}:{{{pool_id}}}:{name}" for name in POOL_KEY_NAMES]
 
 

@@ -13,6 +13,7 @@ from kvservice import errors
 from kvservice.allocator.checks import MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint, lease_info
 from kvservice.allocator.codec import ScriptError
 from kvservice.allocator.domain import LeaseInfo, ReserveGrant, ReserveRequest, tier_orders_of
+from kvservice.allocator import events
 from kvservice.allocator.journal import RESYNC_WORK, journal_chunks, journal_payload, resync_payload
 
 
@@ -76,6 +77,9 @@ class ReserveOps:
             else:
                 entries[r.pool_id] = journal_payload(r.entries, r.first_entry, r.pool_id, geo,
                                                      self.settings.max_journal_blocks, self.settings.max_forks_per_call)
+                if self.settings.kv_events and r.entries is not None:
+                    await events.note_tokens(self.store.redis, events.journal_records(
+                        entries[r.pool_id], r.entries.commit_tokens, geo.block_size))
         # The keep-alive first; each pool's script raises the lease's deadline there itself.
         kept = await self.store.keep_alive(lease_id, self._tombstone_ms(),
                                            touched_by_caller=[r.pool_id for r in pools])

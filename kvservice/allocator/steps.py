@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from kvservice import errors
 from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, check_request_id, commit_payload,
                                         epoch_error, fingerprint, seq_state)
+from kvservice.allocator import events
 from kvservice.allocator.codec import LEASE_UNKNOWN, STALE_EPOCH, TOO_BIG, ScriptError
 from kvservice.allocator.generations import KNOWN_GENERATIONS, known_generation
 from kvservice.allocator.runs import Probe, RunOps
@@ -104,7 +105,10 @@ class StepOps(RunOps):
                 current, geo = await self.geometry(pool_id, refresh=True)
                 if current != epoch:
                     raise epoch_error(sid, pool_id, epoch, current)
-            by_pool[pool_id]["updates"].append((i, canonical, self._update_payload(u, n, epoch, geo, tag)))
+            payload = self._update_payload(u, n, epoch, geo, tag)
+            if "_tokens" in payload:
+                by_pool[pool_id].setdefault("tokens", {}).update(payload.pop("_tokens"))
+            by_pool[pool_id]["updates"].append((i, canonical, payload))
 
         children = sum(len(u.fork_grow_to) for u in updates)
         if children > s.max_forks_per_call:
@@ -253,6 +257,9 @@ class StepOps(RunOps):
         if t < 0:
             raise errors.InvalidArgument(f"sequence {sid}: commits need num_tokens")
         commit_payload(payload, f"sequence {sid}", u.parent_hash, commits, geo.block_size)
+        if self.settings.kv_events:
+            payload["_tokens"] = events.chain_records(payload["parent_hash"], payload["commits"], b"".join(
+                hashing.token_bytes_checked(c.token_ids, "commit") for c in commits), geo.block_size)
         return payload
 
     def _too_big(self, pool_id: str, items: dict[str, list]) -> bool:
@@ -302,8 +309,19 @@ class StepOps(RunOps):
         """A pool's part of a step in one step script call."""
         epoch, geo = await self.geometry(pool_id)
         creates = self._create_payloads(pool_id, items, tenant, epoch, geo)
+        if self.settings.kv_events:
+            await self._note_tokens(pool_id, items, creates, geo)
         return self._step_payload(pool_id, [payload for _, _, payload in items["updates"]], creates, lease_id,
                                   tenant, lease_left, request_id, digest)
+
+    async def _note_tokens(self, pool_id: str, items: dict[str, list], creates: list[dict[str, Any]],
+                           geo: Geometry) -> None:
+        """The token records of the hashes this part of a step registers (``events``)."""
+        records: dict[str, bytes] = dict(items.get("tokens", {}))
+        for (_, _, data), c in zip(items["creates"], creates):
+            records[events.tokens_key(c["root_hash"])] = events.ROOT
+            records.update(events.chain_records(c["root_hash"], c["block_hashes"], data, geo.block_size))
+        await events.note_tokens(self.store.redis, records)
 
     async def _scan(self, c: Create, data: bytes, tenant: str, pool_id: str, scans: dict[tuple, Probe],
                     tiers: bool) -> tuple[int, Geometry, list[str], Probe] | None:

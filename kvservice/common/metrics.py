@@ -41,8 +41,9 @@ class MetricSpec:
     ``name`` is the family name (a counter's samples add ``_total``, which the name
     already carries here); ``source`` says who exports it: ``allocator`` (every replica),
     ``exporter`` (the replica holding the exporter lease), ``worker``, ``both``
-    (allocator replicas and workers), ``api`` (the HTTP API, ``kvservice api``), or
-    ``router`` (the KV event router, ``kvservice router``).
+    (allocator replicas and workers), ``api`` (the HTTP API, ``kvservice api``), ``events``
+    (the pools' KV event publisher, ``kvservice events``) or ``router`` (the KV event
+    router, ``kvservice router``).
     """
 
     name: str
@@ -194,6 +195,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Prompt tokens of finished requests served by the prefix cache (usage.prompt_tokens_details.cached_tokens)."),
     _m("api_requests_running", "gauge", (), "api", "Requests with sequences in the KV pools."),
     _m("api_requests_waiting", "gauge", (), "api", "Requests waiting for KV blocks or a sequence slot."),
+    # --- the pools' KV event publisher (kvservice events)
+    _m("events_published_total", "counter", ("pool",), "events",
+       "KV event batches published, by pool (the topic)."),
+    _m("events_replays_served_total", "counter", (), "events",
+       "Replay requests the publisher's replay socket answered."),
     # --- the KV event router (kvservice router)
     _m("events_ingested_total", "counter", ("instance",), "router", "KV events applied to the index, by instance."),
     _m("events_dropped_batches_total", "counter", ("instance",), "router",

@@ -47,8 +47,17 @@ def router_main(args: argparse.Namespace) -> int:
     if not sources:
         print("kvservice router: name at least one --instance NAME=ENDPOINT[,REPLAY]", file=sys.stderr)
         return 2
-    service = RouterService(args.redis, sources, tokenizer=args.tokenizer, load_tokens=args.load_tokens,
-                            load_window=args.load_window).start()
+    import redis
+
+    try:
+        service = RouterService(args.redis, sources, tokenizer=args.tokenizer, load_tokens=args.load_tokens,
+                                load_window=args.load_window).start()
+    except redis.exceptions.RedisError as exc:
+        print(f"kvservice router: cannot reach Redis at {args.redis}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:               # (a tokenizer file that does not load)
+        print(f"kvservice router: {exc}", file=sys.stderr)
+        return 2
     server, port = grpc_server(service, args.host, args.port)
     web = http_server(service, args.host, args.http_port)
     print(f"kvservice router: gRPC on {args.host}:{port}, HTTP on {args.host}:{web.server_address[1]}, "

@@ -46,7 +46,7 @@ class Publisher:
             self._replay.bind(replay_endpoint)
             self.replay_bound = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=buffer)
-        self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, bytes, int | None]] = collections.deque()
         self._lock = threading.Lock()
         self._wake_send, self._wake_recv = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
         addr = f"inproc://kvs-events-{id(self)}"
@@ -59,11 +59,12 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="kvservice-events-pub", daemon=True)
         self._thread.start()
 
-    def publish(self, topic: str, batch: wire.Batch) -> None:
-        """Queues ``batch`` under ``topic`` (numbered as it is sent)."""
+    def publish(self, topic: str, batch: wire.Batch, *, seq: int | None = None) -> None:
+        """Queues ``batch`` under ``topic``: numbered ``seq`` (above every number sent so
+        far; ``kvservice events`` takes them from Redis), or the next number."""
         payload = wire.encode(batch)
         with self._lock:
-            self._queue.append((topic.encode(), payload))
+            self._queue.append((topic.encode(), payload, seq))
             self._wake_send.send(b"")
 
     def _run(self) -> None:
@@ -80,9 +81,9 @@ class Publisher:
                 with self._lock:
                     if not self._queue:
                         break
-                    topic, payload = self._queue.popleft()
-                seq = self.next_seq
-                self.next_seq += 1
+                    topic, payload, given = self._queue.popleft()
+                seq = self.next_seq if given is None else given
+                self.next_seq = seq + 1
                 self._pub.send_multipart((topic, wire.seq_bytes(seq), payload))
                 self._buffer.append((seq, topic, payload))
                 self.published += 1

@@ -5,7 +5,7 @@
 --- device blocks of a live sequence that migrates to another pool: each must be referenced
 --- (its table holds it). Expired pins are released first (lib/pins).
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch (the pool's as the caller knows it), pin_id, ttl_ms
 ---   (the pin's deadline is this shard's clock + ttl_ms), block_hashes = [hash hex, in
 ---   chain order], blocks (optional, instead: [device block id])}

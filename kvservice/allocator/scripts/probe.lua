@@ -2,7 +2,7 @@
 --- give (free + evictable, less what runs were admitted), for placing a create and for
 --- admitting a large one (scripts/stage.lua). The caller sends a long chain in slices.
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch, block_hashes = [hash hex of each block a hit may cover],
 ---   tiers (optional: the chain goes on through the lower tiers' ready entries, as the
 ---   lookup of a create whose client runs loads)}

@@ -6,7 +6,7 @@
 --- sequence longer than what is left of the call's block budget is freed from its last
 --- block, that many blocks per call (it is then in state "f" until it is gone).
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, force_lease ('' or a lease id to expire now), max_leases,
 ---   max_seqs, max_blocks (the freed sequences' blocks in all: past it, the rest waits for
 ---   the next call; what is left of it, 256 at least, bounds the scan of the reserve hash

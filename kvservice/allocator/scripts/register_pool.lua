@@ -5,7 +5,7 @@
 --- no trace; on a Redis Cluster the registry is on another slot, and the store adds the
 --- pool to it after the script succeeded (KEYS[31] absent).
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key;
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py); KEYS[31]: the request key;
 --- KEYS[31] (optional): the pool registry (a set of pool ids).
 --- ARGV[1]: msgpack map {pool, request_id, fingerprint, request_ttl_ms, num_blocks,
 ---   block_size, num_layers, num_kv_heads, head_dim, dtype, worker_address, host_entries,
@@ -43,12 +43,20 @@ if kept then
   end
   redis.call('UNLINK', d.pend)
 else
-  for i = EPOCH_KEYS + 1, NUM_POOL_KEYS do redis.call('UNLINK', KEYS[i]) end
+  for i = EPOCH_KEYS + 1, DISK_KEYS do redis.call('UNLINK', KEYS[i]) end
 end
 redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block_size', p.block_size,
   'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now, 'geometry', geometry,
-  'host_entries', p.host_entries, 'disk_entries', p.disk_entries, 'role', p.role or 'both')
+  'host_entries', p.host_entries, 'disk_entries', p.disk_entries, 'role', p.role or 'both',
+  'events', p.events and 1 or 0)
+EVENTS.on = nil
+EVENTS.add('C', '', {})     -- (the new epoch starts empty; a disk tier kept is stored again)
+if kept then
+  local hs = {}
+  for _, e in ipairs(redis.call('ZRANGE', K_TIERS.d.lru, 0, -1)) do hs[#hs + 1] = redis.call('HGET', K_TIERS.d.e2h, e) end
+  EVENTS.add('S', 'STORAGE', hs)
+end
 redis.call('HDEL', K_META, 'heartbeat_ms', 'drained')
 redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
 local gen = begin_generation(K_META, server_run_id())

@@ -41,7 +41,7 @@
 --- claimed number (lib/runs), the last one making it the sequence; a piece that finds a
 --- block the lease cannot keep makes it lost and gives back what the earlier pieces took.
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key;
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py); KEYS[31]: the request key;
 --- KEYS[31]: the run's key (keys.resync_key).
 --- ARGV[1]: msgpack map {pool, epoch, request_id ('': none), fingerprint, request_ttl_ms,
 ---   lease_id, tenant (the lease's, for lib/held), lease_left_ms (its time left, ms; 0:

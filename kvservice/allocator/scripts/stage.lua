@@ -26,7 +26,7 @@
 ---           hashes) from its last block, ``budget`` blocks a call, until it is gone.
 --- Every part but a create's or a grow's first needs the run's sequence number (``sequence``).
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py); KEYS[31]: the request key
 --- (a create's or a fork's: it names the run while it goes on, so that a retry resumes
 --- it, and keeps the outcome).
 --- ARGV[1]: msgpack map {op, pool, epoch, generation (the pool's as the caller heard it;

@@ -1,7 +1,7 @@
 --- step: one engine step in one pool: commits, frees, forks, growth (with copy-on-write)
 --- and creates, all-or-nothing: the whole call is planned and checked, then written.
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key.
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py); KEYS[31]: the request key.
 --- ARGV[1]: msgpack map
 ---   pool, generation (the pool's as the caller heard it, lib/generation; 0: none), request_id
 ---   ('': none), fingerprint (64 hex digits), request_ttl_ms, lease_id,

@@ -25,7 +25,7 @@
 --- the freed sequence in state "f"); it counts as applied with its last part, and the
 --- reply's ``applied`` says when (a resend continues where the parts stopped).
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30]: the request key.
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py); KEYS[31]: the request key.
 --- ARGV[1]: msgpack map {pool, epoch, generation (the pool's as the client heard it,
 ---   lib/generation; 0: none), request_id ('': none), fingerprint, request_ttl_ms,
 ---   lease_id, tenant (the lease's), quota = {blocks, sequences} (the tenant's quotas in the

@@ -8,7 +8,7 @@
 --- tier entry of such a hash goes too (it may be a copy of that content), unless a fetch
 --- pins it; a cached block that no table holds becomes free.
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py).
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py).
 --- ARGV[1]: msgpack map {pool, epoch (the pool's epoch when the orders were given),
 ---   settled = [[tier code (1 host, 2 disk), entry, hash hex, ok]], release = [pin id]
 ---   (optional), forget = [device block id] (optional)}
@@ -46,7 +46,10 @@ local _, res = guarded(function()
     if h then
       forgotten = forgotten + 1
       redis.call('HDEL', K_B2H, b)
-      if redis.call('HGET', K_H2B, h) == b then redis.call('HDEL', K_H2B, h) end
+      if redis.call('HGET', K_H2B, h) == b then
+        redis.call('HDEL', K_H2B, h)
+        EVENTS.add('R', 'GPU', {h})
+      end
       if redis.call('ZREM', K_EVICT, b) == 1 then redis.call('RPUSH', K_FREE, b) end
       for _, t in ipairs(TIER.name) do
         if TIER.entries(t) > 0 then

@@ -4,7 +4,7 @@
 --- keeps pool_id, epoch and drained: its worker's heartbeat learns that the pool was
 --- drained (scripts/heartbeat.lua) until the pool is registered again.
 ---
---- KEYS[1..29]: the pool's keys (kvservice/allocator/keys.py); KEYS[30] (optional): the
+--- KEYS[1..30]: the pool's keys (kvservice/allocator/keys.py); KEYS[31] (optional): the
 --- pool registry (a set of pool ids; on a Redis Cluster another slot: the store removes
 --- the pool from it after the script).
 --- ARGV[1]: msgpack map {pool, force}
@@ -26,7 +26,8 @@ local _, res = guarded(function()
       ' reserved blocks and ' .. (held.pins > 0 and 'live' or 'no') .. ' read pins: not drained yet',
       {reason = 'NOT_DRAINED', sequences = held.sequences, reserved = held.reserved, pins = held.pins})
   end
-  for i = 2, NUM_POOL_KEYS do redis.call('UNLINK', KEYS[i]) end
+  for i = 2, DISK_KEYS do redis.call('UNLINK', KEYS[i]) end
+  EVENTS.add('C', '', {})
   local pool_id = redis.call('HGET', K_META, 'pool_id')
   redis.call('UNLINK', K_META)
   redis.call('HSET', K_META, 'pool_id', pool_id or p.pool, 'drained', epoch, 'epoch', epoch)

@@ -1,8 +1,8 @@
 --- @include "lib/codec"
 --- @include "lib/generation"
---- The 29 keys of one pool, in the order kvservice/allocator/keys.py passes them
---- (KEYS[1..29]: 16 of the device tier, the read pins (lib/pins), then 6 of the host tier and 6 of the disk tier,
---- lib/tiers), the pool's registration record and its counters.
+--- The 30 keys of one pool, in the order kvservice/allocator/keys.py passes them
+--- (KEYS[1..30]: 16 of the device tier, the read pins (lib/pins), then 6 of the host tier and 6 of the disk tier,
+--- lib/tiers, and the stream of its KV events), the pool's registration record and its counters.
 local K_META, K_STATE, K_FREE, K_EVICT, K_REF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_H2B, K_B2H, K_SEQS, K_LEASES, K_LSEQ = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_DEAD, K_STATS, K_TABS, K_RESERVE, K_JOURNAL = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
@@ -10,7 +10,10 @@ local K_HELD, K_PINS = KEYS[16], KEYS[17]
 -- The lower tiers' keys (lib/tiers): per tier state, free, h2e, e2h, lru, pend.
 local K_TIERS = {h = {state = KEYS[18], free = KEYS[19], h2e = KEYS[20], e2h = KEYS[21], lru = KEYS[22], pend = KEYS[23]},
                  d = {state = KEYS[24], free = KEYS[25], h2e = KEYS[26], e2h = KEYS[27], lru = KEYS[28], pend = KEYS[29]}}
-local NUM_POOL_KEYS = 29
+local K_EVENTS = KEYS[30]
+local NUM_POOL_KEYS = 30
+-- KEYS[EPOCH_KEYS + 1 .. DISK_KEYS]: the disk tier's.
+local DISK_KEYS = 29
 -- KEYS[2 .. EPOCH_KEYS] belong to one epoch (dropped on re-registration); the disk tier's
 -- may outlive it (scripts/register_pool.lua).
 local EPOCH_KEYS = 23
@@ -92,6 +95,18 @@ end
 -- in pieces (the audit's snapshot) can tell whether it read one state.
 local function changed()
   redis.call('HINCRBY', K_STATE, 'version', 1)
+end
+
+-- KV events (DESIGN §15, docs/integrations.md): the pool's cache changes appended to its
+-- stream (K_EVENTS) by the script that makes them, when its registration asked for them
+-- (meta events = 1): kind S (stored), R (removed) or C (all cleared), the medium (GPU: the
+-- device, CPU: the host tier, STORAGE: the disk tier) and the hashes (hex, one after the
+-- other). ``kvservice events`` publishes them in vLLM's format.
+local EVENTS = {on = nil, MAXLEN = 100000, MEDIUM = {h = 'CPU', d = 'STORAGE'}}
+function EVENTS.add(kind, medium, hashes)
+  if EVENTS.on == nil then EVENTS.on = redis.call('HGET', K_META, 'events') == '1' end
+  if not EVENTS.on or (kind ~= 'C' and #hashes == 0) then return end
+  redis.call('XADD', K_EVENTS, 'MAXLEN', '~', EVENTS.MAXLEN, '*', 'k', kind, 'm', medium, 'h', table.concat(hashes))
 end
 
 local function incr_stats(stats)

@@ -123,6 +123,9 @@ local function write_hashes(h2b, b2h)
   if #h2b > 0 then
     call_chunked('HSET', K_H2B, h2b, 2)
     call_chunked('HSET', K_B2H, b2h, 2)
+    local hs = {}
+    for i = 1, #h2b, 2 do hs[#hs + 1] = h2b[i] end
+    EVENTS.add('S', 'GPU', hs)
   end
 end
 
@@ -154,6 +157,7 @@ local function evict(n, dups, moved, stats)
     end
   end
   if #gone > 0 then call_chunked('HDEL', K_H2B, gone) end
+  EVENTS.add('R', 'GPU', gone)
   call_chunked('HDEL', K_B2H, fields)
   stats.evictions = (stats.evictions or 0) + #victims
   return victims

@@ -65,6 +65,7 @@ local function unhash(rec, i0)
     if names[i] == of[i] then gone[#gone + 1] = h end
   end
   if #gone > 0 then call_chunked('HDEL', K_H2B, gone) end
+  EVENTS.add('R', 'GPU', gone)
   call_chunked('HDEL', K_B2H, of)
 end
 

@@ -43,7 +43,7 @@ function TIER.forget(t, e)
     if redis.call('HGET', k.h2e, h) == e then redis.call('HDEL', k.h2e, h) end
     redis.call('HDEL', k.e2h, e)
   end
-  redis.call('ZREM', k.lru, e)
+  if redis.call('ZREM', k.lru, e) == 1 and h then EVENTS.add('R', EVENTS.MEDIUM[t], {h}) end
   redis.call('ZREM', k.pend, e)
   return h
 end
@@ -151,6 +151,7 @@ function TIER.settle(t, e, h, ok, stats)
     if not since then return true end      -- (ready already: a repeated confirmation)
     redis.call('ZREM', k.pend, e)
     TIER.touch(t, e)
+    EVENTS.add('S', EVENTS.MEDIUM[t], {h})
     tier_stat(stats, t, 'confirmed')
     tier_stat(stats, t, 'lag_ms', math.max(0, TIER.clock() - since))
   else
