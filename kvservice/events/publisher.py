@@ -65,7 +65,11 @@ class Publisher:
         payload = wire.encode(batch)
         with self._lock:
             self._queue.append((topic.encode(), payload, seq))
-            self._wake_send.send(b"")
+            if len(self._queue) == 1:       # (one wake-up per batch of the queue, never blocking)
+                try:
+                    self._wake_send.send(b"", zmq.NOBLOCK)
+                except zmq.Again:
+                    pass                    # (a wake-up is pending already)
 
     def _run(self) -> None:
         poller = zmq.Poller()
