@@ -183,3 +183,21 @@ def test_the_events_command_publishes_and_counts(events, redis_url):
         proc.terminate()
         proc.wait(10)
         ctx.destroy(linger=0)
+
+
+def test_a_create_staged_in_bounded_calls_is_published_with_its_tokens(redis_url):
+    settings = dataclasses.replace(TEST_SETTINGS, kv_events=True, max_blocks_per_call=2)
+    r = _redis(redis_url)
+    with ServerThread(redis_url, settings) as s, Client(s.target, tenant="t1") as c:
+        c.register_pool("a", num_blocks=16, block_size=BS)
+        pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        index = Index(r)
+        ing = Ingester(index, [Source("kvs", pub.bound, pub.replay_bound)]).start()
+        try:
+            time.sleep(0.5)
+            c.create(PROMPT, pool="a")                       # (4 blocks: staged, 2 per call)
+            _publish(PoolEvents(r, pub, pools=["a"]), index)
+            assert index.lookup(PROMPT)["kvs"].blocks == 3
+        finally:
+            ing.stop()
+            pub.close()

@@ -29,6 +29,7 @@ import secrets
 from typing import Any, NamedTuple
 
 from kvservice import errors
+from kvservice.allocator import events
 from kvservice.allocator.codec import LEASE_UNKNOWN, RUN_SHORT, STALE_EPOCH, ScriptError, TOO_BIG
 from kvservice.allocator.generations import known_generation
 from kvservice.common import hashing
@@ -251,6 +252,14 @@ class RunOps:
 
         # Growth the pool cannot hold is refused first, before anything is applied.
         await self._check_room(pool_id, epoch, sum(more for more, _ in grows.values()))
+        if self.settings.kv_events:      # (the tokens behind the hashes this step registers)
+            records = dict(items.get("tokens", {}))
+            for _, c, data in items["creates"]:
+                root = hashing.root_hash(self._salt(tenant), c.extra_key)
+                hs = hashing.chain_hashes(root, data, geo.block_size, len(data) // 4 // geo.block_size)
+                records[events.tokens_key(root.hex())] = events.ROOT
+                records.update(events.chain_records(root.hex(), [h.hex() for h in hs], data, geo.block_size))
+            await events.note_tokens(self.store.redis, records)
         replies = await self._first_part(pool_id, ups, free_blocks, long_frees, lease_id, tenant, lease_left, sub)
 
         # 2. Large forks and creates, staged and held.
