@@ -46,6 +46,9 @@ ALLOCATOR_COMMANDS = (
     "sadd", "smembers", "srem",
     "zadd", "zcard", "zpopmin", "zrange", "zrangebylex", "zrangebyscore", "zrem", "zremrangebyscore", "zscan",
     "zscore",
+    # a pool's KV events (scripts/lib/pool.lua, with --kv-events), and what the processes that
+    # publish them and keep the router's index send (kvservice events, kvservice router)
+    "xadd", "xread", "hkeys",
 )
 ALLOCATOR_USER = "kvservice"
 ADMIN_USER = "admin"
