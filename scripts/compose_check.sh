@@ -31,7 +31,10 @@
 # It prints a table of the stages (seconds, result) and exits 1 if any failed.
 #
 # Variables: KVS_CHECK_PROJECT (compose project name, default kvscheck: a user's own
-# `kvservice` project is left alone), KVS_CHECK_KEEP_IMAGES, KVS_BIND, TORCH_INDEX_URL.
+# `kvservice` project is left alone), KVS_CHECK_KEEP_IMAGES, KVS_BIND, TORCH_INDEX_URL,
+# DISK_TIER_GB (each worker's disk tier, default 1 here). When the services do not come up,
+# it prints why: each one's state, restarts and OOM kill, its last health probes and logs,
+# the memory and disk left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -41,6 +44,9 @@ PROBE=(python3 "$ROOT/scripts/compose_probe.py")
 STANDIN=kvservice-standin
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 export TORCH_INDEX_URL
+# Each worker preallocates its disk tier: 1 GB here rather than the deployment's 4, so that
+# the check fits beside the images on a machine with little free disk.
+export DISK_TIER_GB=${DISK_TIER_GB:-1}
 STARTED_DOCKERD="" INSTALLED="" COPIED_WHEEL="" NO_GRAFANA=""
 COMPOSE=()
 TABLE=()
@@ -257,6 +263,32 @@ wait_healthy() {
   done
 }
 
+# room: the memory and the disk (Docker's root) the services start with.
+room() {
+  local root
+  root=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+  log "memory available: $(awk '/^MemAvailable:/ {printf "%.1f GiB", $2 / 1048576}' /proc/meminfo); free in $root:" \
+      "$(df -Ph "$root" | awk 'NR == 2 {print $4}') (the disk tiers take ${DISK_TIER_GB} GB per worker)"
+}
+
+# explain SERVICE...: why `up` failed: each service's state, the last health probes of one
+# that is not healthy (their output) and the tail of its logs, its restarts and OOM kill.
+explain() {
+  local svc id state
+  for svc in "$@"; do
+    id=$(compose ps -a -q "$svc" | head -n 1)
+    [ -n "$id" ] || { log "$svc: no container"; continue; }
+    state=$(docker inspect --format '{{.State.Status}} exit={{.State.ExitCode}} oom={{.State.OOMKilled}} restarts={{.RestartCount}} started={{.State.StartedAt}}{{if .State.Health}} health={{.State.Health.Status}}{{end}}' "$id")
+    log "$svc: $state"
+    case $state in
+      "running "*"health=healthy"|"exited exit=0 "*) continue ;;
+    esac
+    docker inspect --format '{{if .State.Health}}{{range .State.Health.Log}}  probe {{.Start}} exit {{.ExitCode}}: {{.Output}}{{"\n"}}{{end}}{{end}}' "$id"
+    compose logs --no-color --timestamps --tail 40 "$svc"
+  done
+  room
+}
+
 in_allocator() { compose exec -T allocator "$@"; }
 
 # audit SERVICE [SED]: kvservice audit in an allocator's container, on the Redis of the
@@ -291,7 +323,9 @@ up_cpu() {
   ports_free 6379 50051 9400 50061 50062 8000 9090 3000 50052 9402 || return 1
   mapfile -t CPU_SERVICES < <(services_of --profile cpu)
   log "services: ${CPU_SERVICES[*]}"
-  compose --profile cpu up -d "${CPU_SERVICES[@]}" >"$WORK/up.log" 2>&1 || { cat "$WORK/up.log"; return 1; }
+  room
+  compose --profile cpu up -d "${CPU_SERVICES[@]}" >"$WORK/up.log" 2>&1 || {
+    cat "$WORK/up.log"; explain "${CPU_SERVICES[@]}"; return 1; }
   wait_healthy 600 "${CPU_SERVICES[@]}"
 }
 
@@ -387,7 +421,8 @@ kill_worker() {
 cluster() {
   local svcs
   mapfile -t svcs < <(services_of --profile cluster)
-  compose --profile cluster up -d "${svcs[@]}" >"$WORK/up-cluster.log" 2>&1 || { cat "$WORK/up-cluster.log"; return 1; }
+  compose --profile cluster up -d "${svcs[@]}" >"$WORK/up-cluster.log" 2>&1 || {
+    cat "$WORK/up-cluster.log"; explain "${svcs[@]}"; return 1; }
   wait_healthy 300 "${svcs[@]}" || return 1
   compose logs redis-cluster-init | tail -n 3
   compose exec -T allocator-cluster kvservice health --target 127.0.0.1:50052 || return 1

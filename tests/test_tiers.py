@@ -6,6 +6,8 @@ untouched; disk entries outlive their process, unless the geometry changed."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,6 +116,30 @@ def test_disk_entries_outlive_their_process_unless_the_geometry_changed(tmp_path
     with pytest.raises(LoadFailed, match="never stored"):
         moved.load(3, KVPool(other, torch.device("cpu")), 0)
     moved.close()
+
+
+def test_a_disk_tier_its_file_system_cannot_hold_says_so(tmp_path):
+    # (a worker process whose files may not grow past 1 MiB: posix_fallocate fails as on a
+    # full disk, EFBIG instead of ENOSPC)
+    script = (
+        "import resource, signal, sys, torch\n"
+        "from worker.pool import PoolShape\n"
+        "from worker.tiers import DiskTier\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "shape = PoolShape(num_blocks=16, block_size=8, num_layers=3, num_kv_heads=2, head_dim=16,"
+        " dtype=torch.float32)\n"
+        "try:\n"
+        "    DiskTier(shape, 100_000, sys.argv[1], 'worker-0')\n"
+        "except OSError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stderr
+    # (100,000 entries of 32 + 6,144 bytes after a 4,096-byte header)
+    assert f"the disk tier's file {tmp_path / 'worker-0.kvtier'} needs 0.62 GB" in run.stdout
+    assert "GB free" in run.stdout and "give it less (disk_tier_gb)" in run.stdout
+    assert os.path.getsize(tmp_path / "worker-0.kvtier") == 0      # (nothing half made is kept)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -21,6 +21,7 @@ allocator's orders (``MoveBlocks``) over a pool's tiers.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -189,7 +190,14 @@ class DiskTier(Tier):
         try:
             if os.pread(fd, len(header), 0) != header or os.fstat(fd).st_size != size:
                 os.ftruncate(fd, 0)             # (another geometry, or none: made anew, empty)
-                os.posix_fallocate(fd, 0, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.ftruncate(fd, 0)
+                    free = shutil.disk_usage(self.path.parent).free
+                    raise OSError(exc.errno, f"the disk tier's file {self.path} needs {size / 1e9:.2f} GB and "
+                                             f"its file system has {free / 1e9:.2f} GB free: {exc.strerror}; "
+                                             f"give it less (disk_tier_gb) or room") from None
                 os.pwrite(fd, header, 0)
                 #: Whether the file was made anew (no entry of an earlier process is kept).
                 self.created = True
