@@ -351,8 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tool(sub, "bench-tiers", bench_tiers, "a multi-turn chat workload over SmolLM2 workers with small device "
           "pools, with the lower tiers off, a host tier, and a host and a disk tier; print the prompt tokens "
           "recomputed and the time to first token")
-    _tool(sub, "bench-transfer", bench_transfer, "blocks moved from one SmolLM2 worker to another on loopback "
-          "(FetchBlocks over PullBlocks), beside raw gRPC streaming of the same bytes and a memory copy")
+    _tool(sub, "bench-transfer", bench_transfer, "blocks moved from one SmolLM2 worker to another on one machine "
+          "(FetchBlocks over PullBlocks: through shared memory, and in the stream as between machines), beside raw "
+          "gRPC streaming of the same bytes and a memory copy")
     _tool(sub, "bench-index", bench_index, "the KV event index at scale on a private Redis: events ingested per "
           "second over ZMQ, and the lookup latency of a long prompt over a million indexed blocks")
     _tool(sub, "bench-vllm", bench_vllm, "vLLM's time to first token on a long shared prefix with the kvservice "

@@ -6,20 +6,23 @@ a stale epoch, a dead source, an engine pulling directly are refused."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.request
 
 import grpc
 import pytest
 import torch
 
+from kvservice import errors
 from kvservice.client import Client
 from kvservice.tools.launcher import Stack
 from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.tiers import LoadFailed
-from worker.transfer import (Assembler, Piece, block_checksum, decode, device_messages, encode, from_message, pieces,
-                             verify)
+from worker.transfer import (STAGING_PREFIX, Assembler, Piece, Staging, block_checksum, decode, device_messages, encode,
+                             from_message, open_staging, pieces, staged_messages, verify)
 
 BS = 16
 #: 4 layers x 4 KV heads x 64 dims x 16 slots x float32, K and V: 131,072 bytes a block,
@@ -138,6 +141,100 @@ def test_an_unreadable_block_a_flipped_byte_and_a_broken_stream_fail_only_their_
     assert "bytes, a block has" in _assemble([lying], 1, 5)[0][2]
 
 
+# ------------------------------------------------------------------ staging files
+
+def _pool_of(seed: int, num_blocks: int = 9):
+    from worker.pool import KVPool, PoolShape
+
+    shape = PoolShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=num_blocks,
+                      dtype=torch.float32)
+    pool = KVPool(shape, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    pool.k_caches.copy_(torch.randn(pool.k_caches.shape, generator=g))
+    pool.v_caches.copy_(torch.randn(pool.v_caches.shape, generator=g))
+    return pool
+
+
+def test_staged_blocks_go_through_the_destination_s_file_and_only_checksums_travel(tmp_path):
+    """``staged_messages``: each block's bytes in the staging file at its position, the
+    messages only staged pieces (and an unreadable block's error); the destination reads
+    them from its mapping of the same file, and a byte changed there fails that block."""
+    from worker.tiers import block_bytes
+
+    pool = _pool_of(4)
+    bpb = pool.shape.bytes_per_block
+    staging = Staging(str(tmp_path))
+    file = staging.take("w0:1", 5 * bpb)
+    assert file is not None and file.size >= 5 * bpb and (tmp_path / file.name).is_file()
+    assert oct((tmp_path / file.name).stat().st_mode & 0o777) == "0o600"
+    source_view = open_staging(str(tmp_path), file.name, 5 * bpb)       # (the source's own mapping)
+    asked = [(0, 7, b""), (0, 0, b""), (1, 4, b""), (0, 3, b""), (0, 99, b"")]
+    entries = _blocks(5, bpb)
+
+    def read(tier: int, index: int, tag: bytes) -> torch.Tensor:
+        if tier == 0:
+            raise ValueError(f"block {index} is out of range")
+        return entries[index]
+
+    messages = list(staged_messages(pool, asked, read, source_view, 2 * bpb))
+    assert len(messages) == 3 and max(len(m) for m in messages) < 100       # (1 block, then 2 a message)
+    parsed = [p for m in messages for p in pb.BlockChunk.FromString(m).pieces]
+    assert [(p.position, p.staged, p.data, bool(p.error)) for p in parsed] == \
+        [(0, True, b"", False), (1, True, b"", False), (2, True, b"", False), (3, True, b"", False), (4, False, b"", True)]
+    got = Assembler(5, bpb, file.view)
+    out = [x for m in messages for x in got.feed(decode(m))]
+    assert got.staged and not got.inline
+    checked = [(p, e or verify(d, digest)) for p, d, e, digest in out]
+    assert [e for _, e in checked[:4]] == [""] * 4 and "out of range" in checked[4][1]
+    expected = [bytes(block_bytes(pool, 7).numpy()), bytes(block_bytes(pool, 0).numpy()), bytes(entries[4].numpy()),
+                bytes(block_bytes(pool, 3).numpy())]
+    assert [bytes(d) for _, d, _, _ in out[:4]] == expected
+    file.view[bpb + 5] ^= 1                                   # (block 1 changed after its checksum was taken)
+    assert "checksum" in verify(out[1][1], out[1][3]) and verify(out[0][1], out[0][3]) == ""
+    # A staged piece with no file offered, or beyond it, fails its block only.
+    assert "no staging file" in Assembler(1, bpb).feed([Piece(0, last=True, checksum=1, staged=True)])[0][2]
+    staging.give("w0:1", file, clean=True, staged=True, inline=False)
+    assert staging.take("w0:1", 2 * bpb) is file and staging.staged == 1     # (used again: same name)
+    staging.give("w0:1", file, clean=False, staged=True, inline=False)       # (a broken stream: dropped)
+    assert not (tmp_path / file.name).exists()
+    staging.close()
+
+
+def test_a_source_that_cannot_open_the_file_streams_the_bytes_and_is_offered_none_again(tmp_path):
+    bpb = _pool_of(0).shape.bytes_per_block
+    staging = Staging(str(tmp_path))
+    file = staging.take("elsewhere:1", bpb)
+    (tmp_path / "link").symlink_to(tmp_path / file.name)
+    # What a source elsewhere finds: no such file, a file too small, a link; a bad name is refused.
+    assert open_staging(str(tmp_path / "other"), file.name, bpb) is None
+    assert open_staging(str(tmp_path), file.name, file.size + 1) is None
+    assert open_staging("", file.name, bpb) is None
+    with pytest.raises(errors.InvalidArgument, match="staging"):
+        open_staging(str(tmp_path), "link", bpb)
+    got = Assembler(1, bpb, file.view)
+    got.feed([Piece(0, 0, b"x" * bpb, True, block_checksum(b"x" * bpb))])
+    assert got.inline and not got.staged
+    staging.give("elsewhere:1", file, clean=True, staged=got.staged, inline=got.inline)
+    assert not (tmp_path / file.name).exists()
+    assert staging.take("elsewhere:1", bpb) is None                       # (refused: in the stream from now on)
+    assert staging.take("other:1", bpb) is not None
+    assert staging.take("other:1", staging.max_bytes + 1) is None          # (too big for a file: in the stream)
+    assert Staging("").take("other:1", bpb) is None                        # (--shared-memory-dir '')
+    staging.close()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def test_a_worker_that_starts_removes_the_staging_files_of_workers_gone(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{STAGING_PREFIX}{int(gone.stdout)}-{'a' * 32}"
+    alive = tmp_path / f"{STAGING_PREFIX}1-{'b' * 32}"                    # (pid 1: alive)
+    other = tmp_path / "kvs-staging-notes.txt"
+    for path in (dead, alive, other):
+        path.write_bytes(b"x")
+    Staging(str(tmp_path)).close()
+    assert not dead.exists() and alive.exists() and other.exists()
+
+
 # ------------------------------------------------------------------ two workers
 
 @pytest.fixture(scope="module")
@@ -220,6 +317,25 @@ def test_a_worker_fills_its_blocks_with_another_worker_s_byte_for_byte(stack, pa
     w0, w1 = stack.workers
     assert _metric(w1.metrics_url, "kvservice_worker_transfer_blocks_total", direction="in") >= 4
     assert _metric(w0.metrics_url, "kvservice_worker_transfer_bytes_total", direction="out") >= 4 * 131_072
+    # (two workers of one machine: the bytes went through worker-1's staging file)
+    assert _metric(w1.metrics_url, "kvservice_worker_transfer_staged_fetches_total") >= 1
+
+
+def test_workers_without_shared_memory_move_the_blocks_in_the_stream():
+    with Stack(2, model="", block_size=BS, num_blocks=32,
+               worker_args=(*GEOMETRY, "--shared-memory-dir", "")) as stack:
+        pair = Pair(stack)
+        src = pair.client.create(list(range(1, 3 * BS + 1)), pool="worker-0")
+        dst = pair.client.create(list(range(1000, 1000 + 3 * BS)), pool="worker-1")
+        pair.write("worker-0", list(src.block_table), seed=5)
+        reply = pair.fetch([pb.BlockFetch(src_tier=0, src=s, dst=d) for s, d in zip(src.block_table, dst.block_table)])
+        assert [r.ok for r in reply.results] == [True] * 3, [r.error for r in reply.results]
+        for s, d in zip(src.block_table, dst.block_table):
+            assert pair.read("worker-1", d) == pair.read("worker-0", s)
+        w0, w1 = stack.workers
+        assert _metric(w1.metrics_url, "kvservice_worker_transfer_staged_fetches_total") == 0
+        assert _metric(w0.metrics_url, "kvservice_worker_transfer_bytes_total", direction="out") >= 3 * 131_072
+        pair.close()
 
 
 def _metric(url: str, name: str, **labels: str) -> float:

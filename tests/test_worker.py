@@ -154,8 +154,8 @@ def fetch(*fetches: tuple[int, int, int], epoch: int = 1, source: str = "w1", bl
                                                           for a, b, c in fetches] * n))
 
 
-def pull(*blocks: int, pool: str = "w0", epoch: int = 1, n: int = 1, chunk: int = 0):
-    return ("PullBlocks", pb.PullBlocksRequest(pool_id=pool, epoch=epoch, chunk_bytes=chunk,
+def pull(*blocks: int, pool: str = "w0", epoch: int = 1, n: int = 1, chunk: int = 0, staging: str = ""):
+    return ("PullBlocks", pb.PullBlocksRequest(pool_id=pool, epoch=epoch, chunk_bytes=chunk, staging=staging,
                                                blocks=[pb.BlockRef(index=b) for b in blocks] * n))
 
 
@@ -249,6 +249,9 @@ BAD: list[tuple[str, Callable[[], tuple[str, Any]], grpc.StatusCode, str]] = [
     ("pull-stale-epoch", lambda: pull(0, epoch=2), FP, "request for epoch 2"),
     ("pull-chunk-too-big", lambda: pull(0, chunk=1 << 30), IA, "chunk_bytes: 65536 to 16777216"),
     ("pull-too-many", lambda: pull(0, n=65_537), IA, "at most 65536 blocks per call, got 65537"),
+    ("pull-staging-a-path", lambda: pull(0, staging="../etc/passwd"), IA, "staging: 'kvs-staging-', a process id"),
+    ("pull-staging-short", lambda: pull(0, staging="kvs-staging-1-" + "0" * 31), IA, "staging: 'kvs-staging-'"),
+    ("pull-staging-not-hex", lambda: pull(0, staging="kvs-staging-1-" + "g" * 32), IA, "staging: 'kvs-staging-'"),
     ("write-blocks-stale-epoch", lambda: write_blocks(0, epoch=3), FP, "request for epoch 3"),
     ("write-blocks-empty-stream", lambda: ("WriteBlocks", iter([])), IA, "WriteBlocks: an empty stream"),
     ("write-blocks-out-of-range", lambda: write_blocks(0, NUM_BLOCKS), IA,

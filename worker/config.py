@@ -70,6 +70,10 @@ class WorkerSettings(EnvSettings):
     #: "store": K/V only, the bytes behind a KV store that external engines' connectors
     #: write and read (DESIGN §15, docs/integrations.md).
     role: str = "both"
+    #: Where fetches between workers of this machine put their blocks (a tmpfs directory,
+    #: docs/workers.md "Blocks between workers"): a staging file the source writes and the
+    #: destination reads, in place of the stream's bytes; empty: always in the stream.
+    shared_memory_dir: str = "/dev/shm"
     #: Seconds between heartbeats to the allocator.
     heartbeat_interval: float = 2.0
     #: Give up registering after this many seconds (0: keep trying).

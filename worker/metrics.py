@@ -128,6 +128,9 @@ class WorkerMetrics:
             f = family("worker_transfer_failed_blocks_total")
             f.add_metric(labels, float(sources.failed))
             yield f
+            f = family("worker_transfer_staged_fetches_total")
+            f.add_metric(labels, float(sources.staging.staged if sources.staging is not None else 0))
+            yield f
         store = self.store
         if store is not None:
             f = family("worker_store_blocks_total")

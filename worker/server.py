@@ -35,7 +35,7 @@ from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
 from worker.tiers import DiskTier, HostTier, Tiers, entries_for_budget
-from worker.transfer import GrpcTransport, Sources, keep_freed_memory, serialize_chunk
+from worker.transfer import GrpcTransport, Sources, Staging, keep_freed_memory, serialize_chunk
 
 if TYPE_CHECKING:
     from worker.model import ModelRunner
@@ -362,7 +362,8 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
         metrics = WorkerMetrics(settings.pool_id, pool, runner, fence)
         metrics.tiers = tiers
         metrics.attach()
-    sources = Sources(GrpcTransport(credentials)) if settings.allocator else None
+    sources = Sources(GrpcTransport(credentials), staging=Staging(settings.shared_memory_dir)) \
+        if settings.allocator else None
     if metrics is not None:
         metrics.sources = sources
     server, port, health_servicer = await create_server(pool, settings.pool_id, f"{settings.host}:{settings.port}",
@@ -425,4 +426,6 @@ async def serve(settings: WorkerSettings, port_file: str | None = None) -> int:
             tiers.close()
         if sources is not None:
             await sources.transport.close()
+            if sources.staging is not None:
+                sources.staging.close()
     return code

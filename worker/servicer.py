@@ -45,6 +45,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.fence = fence if fence is not None else LeaseFence()
         self.store = store.StoreCounts()
 
+    def _staging_dir(self) -> str:
+        """Where staging files of workers of this machine are opened ("": none is)."""
+        staging = self.sources.staging if self.sources is not None else None
+        return staging.directory if staging is not None else ""
+
     def _check_epoch(self, epoch: int) -> None:
         current = self.pool.epoch
         if current <= 0:
@@ -157,7 +162,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                     blocks=[pb.BlockRef(tier=f.src_tier, index=f.src, block_hash=f.block_hash)
                                             for f in request.fetches])
         done = await transfer.fetch(self.sources.transport, address, pull, self.pool,
-                                    [f.dst for f in request.fetches])
+                                    [f.dst for f in request.fetches], self.sources.staging)
         moved = sum(1 for e in done if not e)
         self.sources.count(moved, n - moved, moved * self.pool.shape.bytes_per_block)
         return pb.FetchBlocksResponse(results=[pb.MoveResult(ok=not e, error=e) for e in done],
@@ -173,9 +178,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         blocks = [(b.tier, b.index, b.block_hash) for b in request.blocks]
         sent = 0
         pool = self.pool if self.pool.epoch > 0 else None     # (unregistered: every block fails in _read)
-        async for message in transfer.serve(blocks, self._read, chunk, pool):     # (serialized: serialize_chunk)
+        staging = None
+        if request.staging:
+            staging = transfer.open_staging(self._staging_dir(), request.staging,
+                                            len(blocks) * self.pool.shape.bytes_per_block)
+        bpb = self.pool.shape.bytes_per_block
+        async for message in transfer.serve(blocks, self._read, chunk, pool, staging):   # (serialized: serialize_chunk)
             yield message
-            sent += len(message)
+            # (the blocks' bytes sent: a staged block's went through the staging file)
+            sent += len(message) if staging is None else bpb * sum(p.staged for p in transfer.decode(message))
         if self.sources is not None:
             self.sources.served(len(blocks), sent)
 

@@ -27,9 +27,17 @@ Mooncake's transfer engine) in its place: the pieces and their checks stay the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
 import time
 import warnings
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, NamedTuple, Protocol
 
@@ -41,6 +49,8 @@ from kvservice.common.grpc import MAX_BLOCK_STREAM_MESSAGE
 from kvservice.v1 import worker_pb2 as pb
 from worker.pool import KVPool
 from worker.tiers import DEVICE, LoadFailed, Tiers, block_bytes, checksum, put_block
+
+log = logging.getLogger(__name__)
 
 #: Bytes per message of a PullBlocks stream unless the request says otherwise.
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -96,6 +106,7 @@ class Piece(NamedTuple):
     last: bool = False
     checksum: int = 0
     error: str = ""
+    staged: bool = False        # (its bytes are in the destination's staging file)
 
 
 def pieces(blocks: Iterable[tuple[int, int, bytes]], read: Any, chunk_bytes: int) -> Iterator[list[Piece]]:
@@ -242,6 +253,8 @@ def encode(chunk: list[Piece]) -> bytes:
         if p.error:
             err = p.error.encode()
             tail += b"\x32" + _varint(len(err)) + err
+        if p.staged:
+            tail += b"\x38\x01"
         data_head = b"\x1a" + _varint(len(p.data)) if len(p.data) else b""
         body = len(head) + len(data_head) + len(p.data) + len(tail)
         parts += [b"\x0a" + _varint(body), head, data_head, p.data, tail]
@@ -292,11 +305,11 @@ def decode(message: bytes) -> list[Piece]:
         end = i + n
         if end > len(buf):
             raise ValueError("a piece runs past the message")
-        f = {1: 0, 2: 0, 3: b"", 4: 0, 5: 0, 6: b""}
+        f = {1: 0, 2: 0, 3: b"", 4: 0, 5: 0, 6: b"", 7: 0}
         while i < end:
             key, i = _read_varint(buf, i)
             field, wire = key >> 3, key & 7
-            if wire == 0 and field in (1, 2, 4):
+            if wire == 0 and field in (1, 2, 4, 7):
                 f[field], i = _read_varint(buf, i)
             elif wire == 1 and field == 5:
                 f[5] = int.from_bytes(buf[i:i + 8], "little")
@@ -309,13 +322,13 @@ def decode(message: bytes) -> list[Piece]:
                 i = _skip(buf, i, wire)
         if i != end:
             raise ValueError("a piece's fields run past it")
-        out.append(Piece(f[1], f[2], f[3], bool(f[4]), f[5], bytes(f[6]).decode(errors="replace")))
+        out.append(Piece(f[1], f[2], f[3], bool(f[4]), f[5], bytes(f[6]).decode(errors="replace"), bool(f[7])))
     return out
 
 
 def from_message(chunk: pb.BlockChunk) -> list[Piece]:
     """The pieces of a parsed BlockChunk."""
-    return [Piece(p.position, p.offset, p.data, p.last, p.checksum, p.error) for p in chunk.pieces]
+    return [Piece(p.position, p.offset, p.data, p.last, p.checksum, p.error, p.staged) for p in chunk.pieces]
 
 
 class Assembler:
@@ -324,12 +337,15 @@ class Assembler:
     (position, its bytes (a buffer; None: failed), error, the checksum sent), the bytes'
     checksum still to be compared (``verify``: off the receiving loop)."""
 
-    def __init__(self, count: int, bytes_per_block: int) -> None:
+    def __init__(self, count: int, bytes_per_block: int, staging: memoryview | None = None) -> None:
         self.count = count
         self.bytes_per_block = bytes_per_block
+        self.staging = staging       # (the staging file offered to the source: staged pieces' bytes)
         self.position = 0           # the block being received
         self.buffer = bytearray()
         self.failed = False          # (the stream broke its order: every block after is failed)
+        self.inline = False          # (a block came in the stream: the source did not take the staging file)
+        self.staged = False          # (a block came through the staging file)
 
     def feed(self, chunk: list[Piece]) -> list[tuple[int, Any, str, int]]:
         out: list[tuple[int, Any, str, int]] = []
@@ -346,6 +362,17 @@ class Assembler:
                 out.append((self.position, None, f"the source could not read it: {piece.error}", 0))
                 self._next()
                 continue
+            if piece.staged:
+                at = self.position * self.bytes_per_block
+                if self.staging is None or len(piece.data) or not piece.last or at + self.bytes_per_block > len(
+                        self.staging):
+                    out.append((self.position, None, "a staged piece, and no staging file holds it", 0))
+                else:
+                    out.append((self.position, self.staging[at:at + self.bytes_per_block], "", piece.checksum))
+                    self.staged = True
+                self._next()
+                continue
+            self.inline = True
             if piece.last and not self.buffer:
                 data = piece.data           # (a block in one piece: read in place)
             else:
@@ -425,13 +452,19 @@ class GrpcTransport:
 
 
 async def serve(blocks: list[tuple[int, int, bytes]], read: Any, chunk_bytes: int,
-                pool: KVPool | None = None) -> AsyncIterator[bytes]:
+                pool: KVPool | None = None, staging: memoryview | None = None) -> AsyncIterator[bytes]:
     """The source's side of PullBlocks: the stream's messages, serialized. Each message is
     read, checksummed and encoded in a thread while the one before it is sent. With
-    ``pool`` and only device blocks in range, no larger than ``chunk_bytes``: gathered
-    straight into their messages (``device_messages``)."""
+    ``staging`` (the destination's staging file, mapped): the blocks' bytes go there
+    (``staged_messages``). With ``pool`` and only device blocks in range, no larger than
+    ``chunk_bytes``: gathered straight into their messages (``device_messages``)."""
     loop = asyncio.get_running_loop()
-    if pool is not None and pool.shape.bytes_per_block <= chunk_bytes and all(
+    if staging is not None and pool is not None:
+        staged = staged_messages(pool, blocks, read, staging, chunk_bytes)
+
+        def build() -> bytes | None:
+            return next(staged, None)
+    elif pool is not None and pool.shape.bytes_per_block <= chunk_bytes and all(
             tier == DEVICE and 0 <= index < pool.shape.num_blocks for tier, index, _ in blocks):
         direct = device_messages(pool, [(i, index) for i, (_, index, _) in enumerate(blocks)], chunk_bytes)
 
@@ -451,6 +484,234 @@ async def serve(blocks: list[tuple[int, int, bytes]], read: Any, chunk_bytes: in
             return
         ahead = loop.run_in_executor(_EXECUTOR, build)
         yield message
+
+
+def staged_messages(pool: KVPool, blocks: list[tuple[int, int, bytes]], read: Any, staging: memoryview,
+                    chunk_bytes: int) -> Iterator[bytes]:
+    """The messages of a stream whose blocks go to the destination's staging file: block
+    i's bytes (as ``read`` gives them; a device block copied straight from the pool) at
+    i x bytes_per_block of ``staging``, and in the stream only a staged piece with its
+    checksum (or an error piece), as many blocks a message as ``chunk_bytes`` of data would
+    hold (the first message one block: the destination starts while the rest is copied)."""
+    s = pool.shape
+    bpb = s.bytes_per_block
+    per = max(1, chunk_bytes // bpb)
+    starts = [0] + list(range(1, len(blocks), per))
+    for start, end in zip(starts, starts[1:] + [len(blocks)]):
+        chunk = []
+        for position in range(start, end):
+            tier, index, tag = blocks[position]
+            at = position * bpb
+            target = torch.frombuffer(staging[at:at + bpb], dtype=torch.uint8)
+            try:
+                if tier == DEVICE and 0 <= index < s.num_blocks:
+                    kv = target.view(s.dtype).view(2, s.num_layers, s.num_kv_heads, s.block_size, s.head_dim)
+                    kv[0].copy_(pool.k_caches[:, index])
+                    kv[1].copy_(pool.v_caches[:, index])
+                else:
+                    target.copy_(read(tier, index, tag))
+            except (LoadFailed, ValueError) as exc:
+                chunk.append(Piece(position, last=True, error=str(exc) or "unreadable"))
+                continue
+            chunk.append(Piece(position, last=True, checksum=block_checksum(staging[at:at + bpb]), staged=True))
+        yield encode(chunk)
+
+
+# Staging files: a fetch between two workers of one machine goes through shared memory
+# instead of through the stream. The destination makes the file (``Staging``) and names it
+# in its PullBlocksRequest; a source that can open it (``open_staging``: same machine, same
+# user, same shared-memory directory) writes the blocks there and streams only their
+# checksums; a source that cannot (another machine, another container) streams the bytes,
+# and is not offered a file again. Each file serves one source address, so that its name is
+# only ever told to the worker that writes it, and it is used again only after a stream
+# that ended cleanly (a source that broke off might still write into it).
+
+#: A staging file's name: the prefix, its maker's process id and 32 hex digits (128
+#: random bits). A worker that starts removes the files of processes gone (``Staging``).
+STAGING_PREFIX = "kvs-staging-"
+_STAGING_NAME = re.compile(r"kvs-staging-([0-9]{1,10})-[0-9a-f]{32}")
+#: The largest staging file: a fetch of more bytes goes in the stream.
+STAGING_MAX_BYTES = 512 << 20
+
+
+def check_staging_name(name: str) -> None:
+    """Raises InvalidArgument unless ``name`` is a staging file's name."""
+    if not _STAGING_NAME.fullmatch(name):
+        raise errors.InvalidArgument(f"staging: {STAGING_PREFIX!r}, a process id, '-' and 32 hex digits, "
+                                     f"got {name[:80]!r}")
+
+
+class _Mapped(NamedTuple):
+    fd: int
+    mapping: mmap.mmap
+
+
+#: The staging files a source has open, by path (the most recently used last).
+_OPEN_STAGING: OrderedDict[str, _Mapped] = OrderedDict()
+_OPEN_STAGING_MAX = 8
+
+
+def open_staging(directory: str, name: str, nbytes: int) -> memoryview | None:
+    """The destination's staging file ``name`` in ``directory``, mapped (kept open for the
+    next stream to the same file), once it is a regular file of this process's user of at
+    least ``nbytes`` bytes; None where it cannot be opened (another machine or container)
+    or is not such a file.
+
+    Raises:
+        InvalidArgument: not a staging file's name.
+    """
+    check_staging_name(name)
+    if not directory:
+        return None
+    path = os.path.join(directory, name)
+    for other, known in list(_OPEN_STAGING.items()):     # (files their destination removed: let go)
+        with contextlib.suppress(OSError):
+            if os.fstat(known.fd).st_nlink:
+                continue
+        _close_staging(other)
+    known = _OPEN_STAGING.get(path)
+    if known is not None:
+        if os.fstat(known.fd).st_size >= nbytes:
+            _OPEN_STAGING.move_to_end(path)
+            return memoryview(known.mapping)
+        _close_staging(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < nbytes or not st.st_size:
+            os.close(fd)
+            return None
+        mapping = mmap.mmap(fd, st.st_size)
+    except OSError:
+        os.close(fd)
+        return None
+    _OPEN_STAGING[path] = _Mapped(fd, mapping)
+    while len(_OPEN_STAGING) > _OPEN_STAGING_MAX:
+        _close_staging(next(iter(_OPEN_STAGING)))
+    return memoryview(mapping)
+
+
+def _close_staging(path: str) -> None:
+    known = _OPEN_STAGING.pop(path)
+    with contextlib.suppress(BufferError):     # (a view still in use: unmapped with its last reference)
+        known.mapping.close()
+    os.close(known.fd)
+
+
+class StagingFile:
+    """One staging file of the destination's, mapped: ``size`` bytes in ``directory``."""
+
+    def __init__(self, directory: str, size: int) -> None:
+        self.name = f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        self.path = os.path.join(directory, self.name)
+        self.size = size
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)      # (its memory reserved: no SIGBUS on a full tmpfs later)
+            self.mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.view = memoryview(self.mapping)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(BufferError):     # (views still in use: unmapped with the last of them)
+            self.view.release()
+            self.mapping.close()
+
+
+def remove_orphan_staging(directory: str) -> list[str]:
+    """Removes the staging files in ``directory`` whose maker is gone (a worker killed
+    before it could remove them); returns their names."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            m = _STAGING_NAME.fullmatch(name)
+            if m is None or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except OSError:                # (alive, another user's)
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    if removed:
+        log.info("removed %d staging file(s) of workers gone from %s", len(removed), directory)
+    return removed
+
+
+class Staging:
+    """A destination's staging files, per source address: ``take`` one for a stream (None:
+    the bytes go in the stream), ``give`` it back after. A source that streamed the bytes
+    instead is not offered a file again (``refused``)."""
+
+    def __init__(self, directory: str = "/dev/shm", max_bytes: int = STAGING_MAX_BYTES) -> None:
+        self.directory = directory if directory and os.path.isdir(directory) else ""
+        self.max_bytes = max_bytes
+        if self.directory:
+            remove_orphan_staging(self.directory)
+        self._free: dict[str, list[StagingFile]] = {}
+        self._taken: set[StagingFile] = set()
+        self._refused: set[str] = set()
+        self._closed = False
+        #: Files made, and fetches whose blocks came through one.
+        self.made = self.staged = 0
+
+    def take(self, address: str, nbytes: int) -> StagingFile | None:
+        if not self.directory or self._closed or address in self._refused or not 0 < nbytes <= self.max_bytes:
+            return None
+        free = self._free.setdefault(address, [])
+        for i, f in enumerate(free):
+            if f.size >= nbytes:
+                self._taken.add(f)
+                return free.pop(i)
+        size = max(nbytes, 32 << 20) if nbytes <= self.max_bytes >> 1 else nbytes
+        try:
+            made = StagingFile(self.directory, min(size, self.max_bytes))
+        except OSError as exc:            # (a full or missing shared-memory directory: in the stream)
+            log.warning("no staging file of %d bytes in %s (%s): fetches from %s go in the stream",
+                        nbytes, self.directory, exc, address)
+            self._refused.add(address)
+            return None
+        self.made += 1
+        while free and sum(f.size for f in free) + made.size > self.max_bytes:
+            free.pop(0).close()
+        self._taken.add(made)
+        return made
+
+    def give(self, address: str, file: StagingFile, clean: bool, staged: bool, inline: bool) -> None:
+        """Back after a stream: kept for the next one if the stream ended ``clean``ly; a
+        source that sent the bytes ``inline`` and none ``staged`` is offered none again."""
+        refused = inline and not staged
+        self._taken.discard(file)
+        if staged:
+            self.staged += 1
+        if refused:
+            self._refused.add(address)
+        if clean and not refused and not self._closed:
+            self._free.setdefault(address, []).append(file)
+        else:
+            file.close()
+
+    def close(self) -> None:
+        """Removes every file, those of streams still running too (their blocks fail)."""
+        self._closed = True
+        for f in [*self._taken, *(f for files in self._free.values() for f in files)]:
+            f.close()
+        self._free.clear()
+        self._taken.clear()
 
 
 def serialize_chunk(message: Any) -> bytes:
@@ -474,8 +735,10 @@ class Sources:
     """
 
     def __init__(self, transport: Transport, describe: Callable[[str], Awaitable[tuple[str, int]]] | None = None,
-                 ttl: float = 5.0) -> None:
+                 ttl: float = 5.0, staging: Staging | None = None) -> None:
         self.transport = transport
+        #: The staging files offered to sources on this machine (None: every fetch in the stream).
+        self.staging = staging
         self.describe = describe
         self.ttl = ttl
         self._known: dict[str, tuple[str, int, float]] = {}
@@ -512,31 +775,43 @@ class Sources:
 
 
 async def fetch(transport: Transport, address: str, request: pb.PullBlocksRequest, pool: KVPool,
-                destinations: list[int]) -> list[str]:
+                destinations: list[int], staging: Staging | None = None) -> list[str]:
     """Pulls ``request``'s blocks from the worker at ``address`` and writes block i into
     device block ``destinations[i]``; returns one error per block ("" where written). A
     block that fails a check, or that the stream never brought, is left as it was. Each
-    message's blocks are checked and written in a thread while the next one arrives."""
+    message's blocks are checked and written in a thread while the next one arrives. With
+    ``staging``: a staging file is offered to the source (``Staging``)."""
     loop = asyncio.get_running_loop()
     failures = [""] * len(destinations)
-    got = Assembler(len(destinations), pool.shape.bytes_per_block)
+    bpb = pool.shape.bytes_per_block
+    file = staging.take(address, len(destinations) * bpb) if staging is not None else None
+    if file is not None:
+        request.staging = file.name
+    got = Assembler(len(destinations), bpb, file.view if file is not None else None)
     writes: list[asyncio.Future] = []
+    clean = False
 
     def write(done: list[tuple[int, Any, str, int]]) -> None:
         for position, error in put_blocks(pool, destinations, done):
             failures[position] = error
 
-    timeout = PULL_SECONDS + len(destinations) * pool.shape.bytes_per_block / PULL_RATE
+    timeout = PULL_SECONDS + len(destinations) * bpb / PULL_RATE
     try:
-        async for chunk in transport.pull(address, request, timeout):
-            writes.append(loop.run_in_executor(_EXECUTOR, write, got.feed(chunk)))
-            if got.failed:
-                break
-        tail = "the stream ended before this block"
-    except Exception as exc:           # (the source died or refused: what did not come is failed)
-        tail = f"the transfer failed: {_reason(exc)}"
-    await asyncio.gather(*writes)
-    write(got.missing(tail))
+        try:
+            async for chunk in transport.pull(address, request, timeout):
+                writes.append(loop.run_in_executor(_EXECUTOR, write, got.feed(chunk)))
+                if got.failed:
+                    break
+            else:
+                clean = True
+            tail = "the stream ended before this block"
+        except Exception as exc:           # (the source died or refused: what did not come is failed)
+            tail = f"the transfer failed: {_reason(exc)}"
+        await asyncio.gather(*writes)
+        write(got.missing(tail))
+    finally:
+        if file is not None:
+            staging.give(address, file, clean, got.staged, got.inline)
     return failures
 
 
@@ -566,4 +841,5 @@ def _reason(exc: Exception) -> str:
 
 __all__ = ["Assembler", "GrpcTransport", "LoadFailed", "Piece", "Sources", "Transport", "check_chunk_bytes", "decode",
            "device_messages", "keep_freed_memory", "encode", "fetch", "from_message", "pieces", "put_blocks",
-           "read_block", "serve", "serialize_chunk", "verify", "checksum"]
+           "read_block", "serve", "serialize_chunk", "verify", "checksum", "Staging", "StagingFile", "open_staging",
+           "staged_messages", "check_staging_name"]

@@ -173,6 +173,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _m("worker_transfer_failed_blocks_total", "counter", POOL, "worker",
        "Blocks a FetchBlocks did not write: the source could not read them, their checksum did not match, or the "
        "transfer failed (its source died, stalled or refused)."),
+    _m("worker_transfer_staged_fetches_total", "counter", POOL, "worker",
+       "FetchBlocks whose blocks came through a staging file in shared memory (a source on this machine) rather than "
+       "in the stream."),
     _m("worker_store_blocks_total", "counter", ("pool", "direction"), "worker",
        "Blocks store clients moved: written into this pool (direction in, WriteBlocks) or read from it (out, "
        "ReadBlocks)."),
