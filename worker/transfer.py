@@ -677,9 +677,8 @@ class Staging:
             if f.size >= nbytes:
                 self._taken.add(f)
                 return free.pop(i)
-        size = max(nbytes, 32 << 20) if nbytes <= self.max_bytes >> 1 else nbytes
-        try:
-            made = StagingFile(self.directory, min(size, self.max_bytes))
+        try:       # (32 MiB at least, so that the next, larger fetch may use it again)
+            made = StagingFile(self.directory, min(max(nbytes, 32 << 20), self.max_bytes))
         except OSError as exc:            # (a full or missing shared-memory directory: in the stream)
             log.warning("no staging file of %d bytes in %s (%s): fetches from %s go in the stream",
                         nbytes, self.directory, exc, address)
