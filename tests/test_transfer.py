@@ -13,6 +13,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from helpers import wait_for
 
 from kvservice import errors
 from kvservice.client import Client
@@ -23,6 +24,8 @@ from worker import tensors
 from worker.tiers import LoadFailed
 from worker.transfer import (STAGING_PREFIX, Assembler, Piece, Staging, block_checksum, decode, device_messages, encode,
                              from_message, open_staging, pieces, staged_messages, verify)
+
+pytestmark = pytest.mark.e2e
 
 BS = 16
 #: 4 layers x 4 KV heads x 64 dims x 16 slots x float32, K and V: 131,072 bytes a block,
@@ -398,8 +401,15 @@ def test_a_dead_source_fails_every_block_and_writes_none(stack, pair):
     dst = pair.client.create(list(range(3000, 3000 + 2 * BS)), pool="worker-1")
     before = [pair.read("worker-1", b) for b in dst.block_table]
     stack.workers[0].kill()
-    reply = pair.fetch([pb.BlockFetch(src_tier=0, src=i, dst=b) for i, b in enumerate(dst.block_table)])
-    assert [r.ok for r in reply.results] == [False, False]
-    assert all("transfer failed" in r.error for r in reply.results), reply.results[0].error
-    assert [pair.read("worker-1", b) for b in dst.block_table] == before
-    dst.free()
+    try:
+        reply = pair.fetch([pb.BlockFetch(src_tier=0, src=i, dst=b) for i, b in enumerate(dst.block_table)])
+        assert [r.ok for r in reply.results] == [False, False]
+        assert all("transfer failed" in r.error for r in reply.results), reply.results[0].error
+        assert [pair.read("worker-1", b) for b in dst.block_table] == before
+        dst.free()
+    finally:
+        # (the module's other tests, in any order, use both workers: worker 0 starts again
+        # and registers its pool with a new epoch)
+        stack.workers[0].start()
+        epoch = _stub(stack, "worker-0")[1].Describe(pb.DescribeWorkerRequest(), timeout=10).epoch
+        assert wait_for(lambda: any(p.pool_id == "worker-0" and p.epoch == epoch for p in pair.client.pools()))

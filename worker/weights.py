@@ -18,6 +18,7 @@ user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``).
 from __future__ import annotations
 
 import importlib.util
+import fcntl
 import json
 import os
 import shutil
@@ -89,8 +90,22 @@ def converted(name: str, progress: Callable[[str], None] = _stderr) -> Path:
     final = cache_root() / name
     if is_converted(name):
         return final
-    source = gguf_path(name)
     final.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion per cache at a time (a lock on the cache's folder): a process that finds
+    # another converting waits for its folder instead of converting the same file beside it.
+    lock = os.open(final.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_converted(name):
+            return final
+        return _convert(name, final, progress)
+    finally:
+        os.close(lock)
+
+
+def _convert(name: str, final: Path, progress: Callable[[str], None]) -> Path:
+    """Converts a preset's GGUF file into ``final`` (through a temporary folder)."""
+    source = gguf_path(name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
     try:
         t0 = time.monotonic()
