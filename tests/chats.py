@@ -4,7 +4,11 @@ transformers' greedy ``generate`` (tokens, and logits within ``ATOL``)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 import urllib.request
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -38,16 +42,38 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def greedy(reference, prompt: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy ``generate`` of ``prompt`` from scratch: its ``steps`` tokens and
+    their logits ``[steps, vocab]``. Computed once per model, prompt and length in a test
+    run: many tests ask for the same chats, so the answer is kept in the run's model cache
+    ($KVSERVICE_MODEL_CACHE, one folder that every test process of the run shares; written
+    to a temporary file and renamed, so a reader never sees half of one)."""
+    key = hashlib.sha256(repr((reference.config._name_or_path, steps, list(prompt))).encode()).hexdigest()
+    folder = Path(os.environ.get("KVSERVICE_MODEL_CACHE") or tempfile.gettempdir()) / "greedy-references"
+    path = folder / f"{key}.pt"
+    if path.is_file():
+        return torch.load(path)
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=2,
+                                 output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logits = torch.stack([x[0] for x in out.logits]).float()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        torch.save((tokens, logits), f)
+    os.replace(tmp, path)
+    return tokens, logits
+
+
 def assert_greedy(reference, prompt: list[int], completion) -> None:
     """``completion`` (of ``STEPS`` tokens, with logits) equals transformers' greedy
     ``generate`` of ``prompt``: its tokens, and its logits within ``ATOL``."""
-    with torch.inference_mode():
-        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=STEPS, eos_token_id=None, pad_token_id=2,
-                                 output_logits=True, return_dict_in_generate=True)
-    assert completion.outputs[0] == out.sequences[0, len(prompt):].tolist(), completion.request_id
+    tokens, logits = greedy(reference, prompt)
+    assert completion.outputs[0] == tokens, completion.request_id
     got = torch.tensor([list(row) for row in completion.logits[0]])
-    torch.testing.assert_close(got, torch.stack([x[0] for x in out.logits]).float(), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, logits, atol=ATOL, rtol=0)
 
 
 def turns(engine: Engine, reference, conversations: int, turns: int, check=None,

@@ -5,17 +5,19 @@ stream, cancel: the blocks come back)."""
 
 from __future__ import annotations
 
-import os
 import urllib.request
 
 import pytest
 from helpers import used_blocks, wait_for
 import torch
 
+from chats import greedy
 from kvservice.engine import Engine, EngineBusy, Request, RequestError
 from kvservice.engine.text import Message, StopMatcher
-from kvservice.tools.launcher import Stack
+from kvservice.tools.launcher import Stack, usable_cores
 from worker import weights
+
+pytestmark = pytest.mark.e2e
 
 NAME = "smollm2-135m"
 STEPS = 10
@@ -66,14 +68,9 @@ def _assert_equal_to_transformers(engine: Engine, reference, prompts: list[tuple
     assert report.failed == 0
     worst = 0.0
     for (name, prompt), c in zip(prompts, report.completions):
-        with torch.inference_mode():
-            out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=STEPS, eos_token_id=None, pad_token_id=2,
-                                     output_logits=True, return_dict_in_generate=True)
-        expected = out.sequences[0, len(prompt):].tolist()
+        expected, want = greedy(reference, prompt, STEPS)
         assert c.outputs[0] == expected, f"{name} ({len(prompt)} tokens)"
         got = torch.tensor([list(row) for row in c.logits[0]])
-        want = torch.stack([x[0] for x in out.logits]).float()
         worst = max(worst, float((got - want).abs().max()))
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
     print(f"largest logit difference: {worst:.2e} (tolerance {ATOL})")
@@ -96,7 +93,7 @@ def test_greedy_tokens_and_logits_over_one_worker_equal_transformers_generate(re
     """One worker with both cores' threads: every sequence in one batch per step."""
     with Stack(1, model=NAME, block_size=16, num_blocks=256) as one, \
             Engine(one.target, credentials=one.credentials("engine"), return_logits=True) as engine:
-        assert one.torch_threads == max(1, os.cpu_count() or 1)
+        assert one.torch_threads == usable_cores()
         _assert_equal_to_transformers(engine, reference, _prompts(engine.tokenizer))
 
 

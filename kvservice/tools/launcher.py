@@ -177,6 +177,15 @@ class ApiProcess(ServiceProcess):
         return self.extra
 
 
+def usable_cores() -> int:
+    """The cores this process's children may use: ``OMP_NUM_THREADS`` when it is set (the
+    convention of every OpenMP program, torch included), else the CPUs of its affinity mask."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return len(os.sched_getaffinity(0)) or 1
+
+
 class Stack:
     """An embedded Redis, an allocator and ``workers`` model workers, each its own process.
 
@@ -239,9 +248,9 @@ class Stack:
         self.api: ApiProcess | None = None
         #: Whether the model is a pretrained preset (known once started).
         self.pretrained = False
-        #: Each worker's torch threads: the host's cores shared out (threads of several
-        #: workers on the same cores slow every step down several times).
-        self.torch_threads = max(1, (os.cpu_count() or 1) // workers)
+        #: Each worker's torch threads: the cores this process may use shared out (threads
+        #: of several workers on the same cores slow every step down several times).
+        self.torch_threads = max(1, usable_cores() // workers)
 
     @property
     def api_key(self) -> str:
