@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvservice/v1/*.proto)
 GEN := kvservice/v1/__init__.py
 
-.PHONY: install proto test demo up bench audit study compose-check clean
+.PHONY: install proto test test-fast demo up bench audit study compose-check clean
 
 install: $(STAMP) $(GEN)
 
@@ -27,8 +27,20 @@ proto: $(STAMP)
 $(GEN): $(PROTOS) $(STAMP)
 	$(MAKE) --no-print-directory proto
 
+# The suite runs in parallel, one process per core (pytest-xdist; PYTEST_WORKERS=0 runs it in
+# this process), the tests that share a module's servers in one process (--dist loadgroup,
+# groups made by tests/conftest.py, which also puts the tests that start processes first),
+# in a random order (pytest-randomly prints its seed).
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# The inner loop, under 5 minutes: the unit, property and single-process tests (every test
+# not marked e2e, which start real processes), the property tests with fewer examples.
+test-fast: install
+	HYPOTHESIS_PROFILE=fast $(PY) -m pytest $(XDIST) -m 'not e2e and not vllm' $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/kvservice demo

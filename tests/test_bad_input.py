@@ -33,7 +33,8 @@ from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
 from conftest import CLUSTER, FLAVORS
-from helpers import TEST_SETTINGS, ServerThread, all_keys, audit, credentials_for, flush, snapshot, stats, sync_redis
+from helpers import (TEST_SETTINGS, ServerThread, StateReader, all_keys, audit, credentials_for, flush, snapshot,
+                     sync_redis)
 
 #: (each test also runs on a local 3-primary Redis Cluster)
 pytestmark = pytest.mark.cluster_too
@@ -83,6 +84,8 @@ class Base:
     priv_hash: bytes = b""
     main_hash: bytes = b""
     pools: tuple[str, ...] = ("p0", "p1")
+    reader: Any = None   # a StateReader of the Redis
+    redis: Any = None    # a client of the Redis
 
     @property
     def other_untagged(self) -> str:
@@ -153,7 +156,13 @@ def base(request, redis_servers):
     url = redis_servers(request.param).url
     flush(url)
     with ServerThread(url, S) as server:
-        yield _build_baseline(server.target, url)
+        b = _build_baseline(server.target, url)
+        b.reader, b.redis = StateReader(url), sync_redis(url)
+        try:
+            yield b
+        finally:
+            b.reader.close()
+            b.redis.close()
 
 
 # ------------------------------------------------------------------ the table
@@ -606,31 +615,27 @@ row("FreeSequences", "duplicate-sequence", lambda b: pb.FreeSequencesRequest(
 # ------------------------------------------------------------------ checks
 
 
-def dump(url: str) -> dict[str, Any]:
-    """Every key and value in Redis, counters (the pools' stats hashes) aside."""
-    r = sync_redis(url)
-    try:
-        out: dict[str, Any] = {}
-        for key in all_keys(r):
-            k = key.decode()
-            if k.endswith(":stats"):
-                continue
-            kind = r.type(key).decode()
-            if kind == "string":
-                out[k] = r.get(key)
-            elif kind == "hash":
-                out[k] = r.hgetall(key)
-            elif kind == "list":
-                out[k] = r.lrange(key, 0, -1)
-            elif kind == "set":
-                out[k] = r.smembers(key)
-            elif kind == "zset":
-                out[k] = r.zrange(key, 0, -1, withscores=True)
-            else:
-                out[k] = kind
-        return out
-    finally:
-        r.close()
+def dump(r) -> dict[str, Any]:
+    """Every key and value in a Redis (client ``r``), counters (the pools' stats hashes) aside."""
+    out: dict[str, Any] = {}
+    for key in all_keys(r):
+        k = key.decode()
+        if k.endswith(":stats"):
+            continue
+        kind = r.type(key).decode()
+        if kind == "string":
+            out[k] = r.get(key)
+        elif kind == "hash":
+            out[k] = r.hgetall(key)
+        elif kind == "list":
+            out[k] = r.lrange(key, 0, -1)
+        elif kind == "set":
+            out[k] = r.smembers(key)
+        elif kind == "zset":
+            out[k] = r.zrange(key, 0, -1, withscores=True)
+        else:
+            out[k] = kind
+    return out
 
 
 def check_exhausted_details(err: grpc.RpcError, row_: Row, available: int) -> None:
@@ -663,11 +668,11 @@ def test_the_table_covers_every_rpc():
 @pytest.mark.parametrize("row_", ROWS, ids=[f"{r.rpc}-{r.name}" for r in ROWS])
 def test_bad_request_is_refused_and_changes_nothing(base: Base, row_: Row):
     request = row_.build(base)
-    before = {p: snapshot(base.redis_url, p) for p in base.pools}
-    before_all = dump(base.redis_url)
+    before = {p: base.reader.snapshot(p) for p in base.pools}
+    before_all = dump(base.redis)
     available = None
     if row_.code == RE:
-        s = stats(base.redis_url, "p0")
+        s = base.reader.stats("p0")
         available = s["num_free_blocks"] + s["num_evictable_blocks"]
     try:
         reply = getattr(base.stub, row_.rpc)(request, timeout=30)
@@ -675,10 +680,10 @@ def test_bad_request_is_refused_and_changes_nothing(base: Base, row_: Row):
     except grpc.RpcError as exc:
         err = exc
     # The state is checked first, so that a wrong answer that also changed it says so.
-    after = {p: snapshot(base.redis_url, p) for p in base.pools}
+    after = {p: base.reader.snapshot(p) for p in base.pools}
     assert after == before, f"{row_.rpc} changed a pool (answer: {err.code().name if err else reply})"
-    assert dump(base.redis_url) == before_all, f"{row_.rpc} changed Redis"
-    assert audit(base.redis_url) == []
+    assert dump(base.redis) == before_all, f"{row_.rpc} changed Redis"
+    assert base.reader.audit() == []
     assert err is not None, f"{row_.rpc} succeeded: {reply}"
     wanted = [m.format(b=base) for m in ((row_.message,) if isinstance(row_.message, str) else row_.message)]
     details = err.details() or ""

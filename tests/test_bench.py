@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 REQUIRED = ("floor_us", "step_p50_us", "step_p99_us", "alloc_us_per_token",
             "create_cold_2k_us", "create_cached_2k_us", "fork_us", "free_us", "script_rpc_us",
             "script_rpc_p99_us", "decode_free_all_us", "inproc_us_per_token", "inproc_step_p50_us",

@@ -16,7 +16,7 @@ from kvservice.tools.bench_serving import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.e2e]
 
 
 def test_bench_serving_streams_concurrent_chats_through_the_http_api():

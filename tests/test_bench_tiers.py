@@ -15,7 +15,7 @@ from kvservice.tools.bench_tiers import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.e2e]
 
 
 def test_bench_tiers_prints_one_run_per_configuration(smollm2_cache):

@@ -15,7 +15,7 @@ from kvservice.tools.bench_transfer import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.e2e]
 
 
 def test_bench_transfer_prints_the_rates_of_one_run_shared_memory_and_stream(smollm2_cache):

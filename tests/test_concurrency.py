@@ -29,7 +29,7 @@ from kvservice import errors  # noqa: E402
 from kvservice.client import Client, Sequence  # noqa: E402
 
 #: (each test also runs on a local 3-primary Redis Cluster)
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.cluster_too, pytest.mark.e2e]
 
 SECONDS = float(os.environ.get("KVS_CONCURRENCY_SECONDS", "20"))
 NUM_CLIENTS = 8

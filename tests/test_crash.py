@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TTL = 1.0
 
 #: (each test also runs on a local 3-primary Redis Cluster)
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.cluster_too, pytest.mark.e2e]
 
 # The client process: a lease of TTL seconds, sequences in two pools (shared prefixes,
 # forks, copy-on-write), then "ready" with what it holds, then it sleeps until killed.

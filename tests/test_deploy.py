@@ -46,6 +46,8 @@ from kvservice.common.security import CLIENT_ENV
 from kvservice.common.metrics import CATALOGUE, sample_names
 from worker.config import WorkerSettings
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 COMPOSE = ROOT / "docker-compose.yml"

@@ -19,7 +19,7 @@ from helpers import ServerThread, audit
 BS = 4
 PROMPT = list(range(1, 15))
 
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.cluster_too, pytest.mark.e2e]
 
 
 @pytest.fixture(params=["local", "remote"])

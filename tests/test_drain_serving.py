@@ -18,6 +18,8 @@ import pytest
 from helpers import wait_for
 from kvservice.tools.launcher import Stack
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "smollm2-135m"
 QUESTIONS = [f"In one sentence: what is {thing}?" for thing in
              ("a library card", "a bicycle chain", "a tide", "a glacier", "a violin bow", "a lighthouse",

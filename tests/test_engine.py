@@ -25,7 +25,7 @@ MODEL, SEED, BS = "tiny-llama", 0, 16
 #: float32 logits of the paged step against Hugging Face's own forward pass.
 LOGITS_ATOL = 1e-3
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module", params=["redis", "cluster"])

@@ -15,6 +15,8 @@ from kvservice.engine import Engine
 from kvservice.tools.launcher import Stack
 from worker import weights
 
+pytestmark = pytest.mark.e2e
+
 #: Long, distinct system prompts (about 900 tokens each): each turn's new tokens are a
 #: small part of its prompt.
 DOCUMENTS = [" ".join(f"Rule {k} of branch {b}: a member may borrow {k % 7 + 1} items from shelf {k * 3 + b}, "

@@ -17,6 +17,8 @@ from kvservice.engine import Engine
 from kvservice.tools.launcher import Stack
 from worker import weights
 
+pytestmark = pytest.mark.e2e
+
 @pytest.fixture(scope="module")
 def reference(smollm2_cache):
     return weights.load(NAME)

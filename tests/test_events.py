@@ -28,7 +28,7 @@ from kvservice.v1 import router_pb2 as rpb, router_pb2_grpc as rpb_grpc
 BS = 4
 PROMPT = list(range(1, 14))             # 3 full blocks and one token
 
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.cluster_too, pytest.mark.e2e]
 
 
 def _stored(tokens: list[int], first: int, n: int, medium: str = wire.MEDIUM_GPU, parent: int | None = None,

@@ -27,6 +27,8 @@ from kvservice.tools.launcher import AllocatorProcess
 from fault_server import DropReply, DroppingServer
 from helpers import TEST_SETTINGS, ServerThread, audit, stats, suite_credentials
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 BS = 4
 TTL = 3.0

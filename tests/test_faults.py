@@ -27,7 +27,11 @@ from kvservice.allocator.audit import run_audit
 from kvservice.client import Client
 from kvservice.tools.launcher import AllocatorProcess
 
+import pytest
+
 from helpers import client_env, run_async, stats
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds of load under kills (the issue asks for at least 40).

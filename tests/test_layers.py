@@ -17,6 +17,8 @@ import pytest
 
 import kvservice
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: (files, forbidden module prefixes, why)

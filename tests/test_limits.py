@@ -11,6 +11,8 @@ import pytest
 from kvservice.allocator.config import Settings
 from kvservice.tools.limits import TARGET_MS, measure, table
 
+pytestmark = pytest.mark.e2e
+
 
 def test_every_script_s_worst_call_is_timed_and_grows_with_its_limit():
     small = Settings(max_blocks_per_call=64, max_items_per_call=16, max_forks_per_sequence=4,

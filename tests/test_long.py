@@ -18,7 +18,7 @@ from kvservice.client import Client
 from helpers import TEST_SETTINGS, ServerThread, audit, keyspace
 
 #: (each test also runs on a local 3-primary Redis Cluster)
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.cluster_too, pytest.mark.e2e]
 
 BS = 4
 SMALL = TEST_SETTINGS.replace(max_blocks_per_call=16, max_release_per_call=16, max_fork_refs_per_call=16,

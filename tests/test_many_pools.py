@@ -16,7 +16,7 @@ from kvservice.tools.manypools import report, verdicts
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.e2e]
 
 
 def test_many_pools_measures_listing_the_audit_an_idle_replica_and_the_scripts():

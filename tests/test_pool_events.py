@@ -29,7 +29,7 @@ from helpers import TEST_SETTINGS, ServerThread
 BS = 4
 PROMPT = list(range(1, 14))             # 3 full blocks and one token
 
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.cluster_too, pytest.mark.e2e]
 
 
 def _redis(url: str):

@@ -48,6 +48,7 @@ pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.skipif(shutil.which("prometheus") is None,
                        reason="the prometheus binary is not on PATH (.ci/run installs Debian's prometheus package)"),
+    pytest.mark.e2e,
 ]
 
 

@@ -17,6 +17,8 @@ from helpers import TEST_SETTINGS, ServerThread, audit
 from kvservice.client import Client
 from kvservice.tools.certs import make_certs
 
+pytestmark = pytest.mark.e2e
+
 
 def _free_port() -> int:
     with socket.socket() as s:

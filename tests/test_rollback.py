@@ -40,6 +40,8 @@ from worker import tensors
 
 from helpers import TEST_SETTINGS, ServerThread, audit, snapshot
 
+pytestmark = pytest.mark.e2e
+
 BS = 4
 NUM_BLOCKS = 160
 HEAD_DIM = 8

@@ -21,7 +21,7 @@ NUM_POOLS = 1000
 CALLERS = 256
 GEOMETRY = pb.PoolGeometry(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from kvservice.allocator import keys
 from kvservice.allocator.embedded import EmbeddedRedis, available_flavors
 from kvservice.tools.launcher import AllocatorProcess
 
+pytestmark = pytest.mark.e2e
+
 
 def test_serve_without_redis_url_starts_and_stops_a_private_redis_that_takes_only_its_acl_user():
     with AllocatorProcess() as proc:

@@ -20,7 +20,7 @@ from kvservice.tools.shards import CAPACITY_SHARDS, deviation, efficiency, main,
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.e2e]
 
 
 def _children() -> set[int]:

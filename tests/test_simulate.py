@@ -25,6 +25,8 @@ from kvservice.simulate.runner import POLICIES, simulate
 from kvservice.simulate.sharing import parallel_sampling
 from kvservice.simulate.workload import PRESETS, SimRequest, generate, prompt_tokens, summary
 
+pytestmark = pytest.mark.e2e
+
 SHARES = ("token_utilization", "reservation", "internal_frag", "external_frag", "reserved_unused", "free")
 STATES = ("token", "reservation", "internal", "external", "reserved_unused", "free")
 

@@ -16,6 +16,8 @@ from worker import weights
 from worker.model import ModelRunner, StepSequence, build_model
 from worker.pool import KVPool
 
+pytestmark = pytest.mark.e2e
+
 NAME, BS = "smollm2-135m", 16
 CPU = torch.device("cpu")
 

@@ -63,7 +63,7 @@ from kvservice.allocator import keys
 from kvservice.common import hashing
 from kvservice.client import Client
 
-from helpers import ServerThread, audit, flush, sdk_call, sync_redis
+from helpers import ServerThread, audit, examples, flush, sdk_call, sync_redis
 
 BS = 4
 NUM_BLOCKS = 32
@@ -746,6 +746,6 @@ def test_allocator_state_machine(redis_url):
         AllocatorMachine.target = server.target
         AllocatorMachine.redis = r
         run_state_machine_as_test(AllocatorMachine, settings=settings(
-            max_examples=30, stateful_step_count=30, deadline=None, report_multiple_bugs=False,
+            max_examples=examples(30, redis_url), stateful_step_count=30, deadline=None, report_multiple_bugs=False,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     print("\nstate machine coverage:", dict(sorted(AllocatorMachine.coverage.items())))

@@ -79,7 +79,7 @@ from kvservice import errors
 from kvservice.client import Client
 
 from fault_server import FaultyServer
-from helpers import TEST_SETTINGS, audit, sdk_call
+from helpers import TEST_SETTINGS, audit, examples, sdk_call
 from local_model import BS, Model, MSeq, chain, last_hash, num_blocks
 from test_state_machine import make_prompt
 
@@ -592,7 +592,7 @@ def test_local_mode_state_machine(redis_url):
         LocalMachine.redis = r
         started = time.monotonic()
         run_state_machine_as_test(LocalMachine, settings=settings(
-            max_examples=35, stateful_step_count=30, deadline=None, report_multiple_bugs=False,
+            max_examples=examples(35), stateful_step_count=30, deadline=None, report_multiple_bugs=False,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     print(f"\nlocal state machine: {LocalMachine.examples} examples, {LocalMachine.steps} steps in "
           f"{time.monotonic() - started:.1f} s; "
@@ -624,7 +624,7 @@ def test_state_machine_across_the_per_call_bounds(redis_url, machine):
         LocalMachine.coverage = Counter()
         started = time.monotonic()
         run_state_machine_as_test(machine, settings=settings(
-            max_examples=25, stateful_step_count=30, deadline=None, report_multiple_bugs=False,
+            max_examples=examples(25), stateful_step_count=30, deadline=None, report_multiple_bugs=False,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     print(f"\n{machine.__name__} across the bounds: {machine.examples} examples in "
           f"{time.monotonic() - started:.1f} s; coverage: {dict(sorted(LocalMachine.coverage.items()))}")

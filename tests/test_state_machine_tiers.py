@@ -39,7 +39,7 @@ from kvservice.client import Client
 from kvservice.common import hashing
 from kvservice.v1 import allocator_pb2 as pb
 
-from helpers import ServerThread, audit, flush, sync_redis
+from helpers import ServerThread, audit, examples, flush, sync_redis
 
 BS = 4
 NUM_BLOCKS = 8
@@ -241,7 +241,7 @@ def test_tier_state_machine(redis_url):
         TierMachine.redis_url = redis_url
         TierMachine.target = server.target
         run_state_machine_as_test(TierMachine, settings=settings(
-            max_examples=25, stateful_step_count=30, deadline=None, report_multiple_bugs=False, derandomize=True,
+            max_examples=examples(25, redis_url), stateful_step_count=30, deadline=None, report_multiple_bugs=False, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     print("\ntier state machine coverage:", dict(sorted(TierMachine.coverage.items())))
     for needed in ("device -> host", "host -> disk (a host entry evicted)", "load", "settled ok", "copy failed",

@@ -22,7 +22,7 @@ GEOMETRY = ("--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8", "--dt
 BPB = 2 * 2 * BS * 1 * 8 * 4           # bytes per block
 PROMPT = list(range(1, 14))             # 3 full blocks and one token
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from worker.transfer import block_checksum
 
 from worker_helpers import WorkerThread
 
+pytestmark = pytest.mark.e2e
+
 NUM_BLOCKS = 16
 #: 3 layers x 4 KV heads x 16 slots x 64 dims x float32, K and V: 98,304 bytes a block.
 SHAPE = PoolShape(NUM_BLOCKS, 16, 3, 4, 64, torch.float32)

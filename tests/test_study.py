@@ -16,6 +16,8 @@ import pytest
 from kvservice.simulate import report
 from kvservice.simulate import study as study_mod
 
+pytestmark = pytest.mark.e2e
+
 SEED = 23
 PARAMS = dict(
     workload="sharegpt", requests=40, rate=1.0, capacity_tokens=4096, max_len=512, seed=SEED,

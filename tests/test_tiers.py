@@ -15,6 +15,8 @@ import torch
 from worker.pool import KVPool, PoolShape
 from worker.tiers import FILE_HEADER, DiskTier, HostTier, LoadFailed, entries_for_budget
 
+pytestmark = pytest.mark.e2e
+
 SHAPE = PoolShape(num_blocks=16, block_size=8, num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 
 

@@ -20,6 +20,8 @@ from kvservice.tools.launcher import AllocatorProcess
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):

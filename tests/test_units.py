@@ -14,6 +14,8 @@ from kvservice.allocator.config import Settings
 from kvservice.allocator.domain import format_sequence_id, parse_sequence_id
 from kvservice.common.geometry import Geometry
 
+pytestmark = pytest.mark.e2e
+
 
 def test_chained_hashes_match_block_by_block():
     root = hashing.root_hash("acme")

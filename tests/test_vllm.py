@@ -35,7 +35,7 @@ from kvservice.tools.vllm_store import (BLOCK_SIZE, DEFAULT_VLLM_PYTHON, CONNECT
 
 VLLM_PYTHON = os.environ.get("KVSERVICE_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.e2e]
 
 _rng = random.Random(32)
 PREFIX = [_rng.randrange(100, 40000) for _ in range(1024)]          # 8 of vLLM's blocks

@@ -13,6 +13,8 @@ from kvservice.tools.launcher import AllocatorProcess, WorkerProcess
 from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.e2e
+
 GEOMETRY = ("--num-blocks", "48", "--block-size", "16", "--num-layers", "2", "--num-kv-heads", "2",
             "--head-dim", "64", "--dtype", "float32", "--device", "cpu")
 

@@ -20,6 +20,8 @@ from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
 from worker import tensors
 
+pytestmark = pytest.mark.e2e
+
 HEARTBEAT = 0.3
 BS = 16
 
