@@ -56,9 +56,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 .PHONY: vllm test-vllm
 vllm: $(VLLM_STAMP) $(GEN)
 
-# The tests with real vLLM instances (tests/test_vllm.py, marker vllm; ~6 min).
+# The tests with real vLLM instances (tests/test_vllm.py, marker vllm; ~6 min), in one
+# process and in the file's order (its scenarios build on one store stack).
 test-vllm: install vllm
-	$(PY) -m pytest -m vllm tests/test_vllm.py $(PYTEST_ARGS)
+	$(PY) -m pytest -p no:randomly -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
