@@ -194,10 +194,10 @@ def pytest_collection_modifyitems(config, items):
 class E2EFirst:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items):
-        """The tests that start real processes (marker ``e2e``) run first, in the order
-        collection gave them (random under pytest-randomly), and so do the others after
-        them: under pytest-xdist (``make test``) the processes take the long tests first and
-        the short ones fill the end, so that none starts a long test when the others are done."""
+        """The tests that start real processes (marker ``e2e``) go first, the others after
+        them, each part in the order collection gave it (random under pytest-randomly):
+        under pytest-xdist (``make test``) the processes take the long tests first and the
+        short ones fill the end, so that none starts a long test when the others are done."""
         items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
