@@ -15,6 +15,7 @@ from kvservice.client import Client
 from kvservice.tools import launcher
 from kvservice.allocator.embedded import EmbeddedCluster, EmbeddedRedis, available_flavors
 
+import scheduling
 from helpers import SECURE_TARGETS, ServerThread, client_env, credentials_for, flush, server_args, suite_credentials
 
 # HYPOTHESIS_PROFILE=fast (make test-fast): property tests with a quarter of their examples
@@ -142,7 +143,7 @@ _MODEL_CACHE: tempfile.TemporaryDirectory | None = None
 
 def pytest_configure(config):
     global _MODEL_CACHE
-    config.pluginmanager.register(E2EFirst(), "kvservice-e2e-first")
+    config.pluginmanager.register(scheduling, "kvservice-scheduling")
     # Under pytest-xdist each test process (and every process it starts: their torch threads
     # follow OMP_NUM_THREADS) takes its share of the cores: threads of several processes on
     # the same cores spin on each other and cost ~1.6 times the CPU of the same work.
@@ -170,35 +171,6 @@ def smollm2_cache():
     folder = weights.converted("smollm2-135m", progress=print)
     print(f"SmolLM2 ready in {time.monotonic() - t0:.1f} s")
     return folder
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under ``make test`` (pytest-xdist, ``--dist loadgroup``): the tests of a module that
-    use its module- or class-scoped fixtures (its servers, a stack, a model) form one group
-    (one per param of a parametrized one) that one process runs, so that those fixtures
-    are set up once; every other test runs in whichever process is free."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        callspec = getattr(item, "callspec", None)
-        shared, params = False, []
-        for name in sorted(info.name2fixturedefs if info else ()):
-            if info.name2fixturedefs[name][-1].scope in ("module", "class", "package"):
-                shared = True
-                if callspec is not None and name in callspec.indices:
-                    params.append(f"{name}={callspec.indices[name]}")
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(":".join([item.nodeid.split("::")[0], *params])))
-
-
-class E2EFirst:
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items):
-        """The tests that start real processes (marker ``e2e``) go first, the others after
-        them, each part in the order collection gave it (random under pytest-randomly):
-        under pytest-xdist (``make test``) the processes take the long tests first and the
-        short ones fill the end, so that none starts a long test when the others are done."""
-        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
 def pytest_report_header(config):
