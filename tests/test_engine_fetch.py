@@ -17,11 +17,12 @@ from worker import weights
 
 pytestmark = pytest.mark.e2e
 
-#: Long, distinct system prompts (about 900 tokens each): each turn's new tokens are a
-#: small part of its prompt.
+#: Distinct system prompts of about 530 tokens each (33 blocks): each turn's new tokens
+#: are a small part of its prompt.
 DOCUMENTS = [" ".join(f"Rule {k} of branch {b}: a member may borrow {k % 7 + 1} items from shelf {k * 3 + b}, "
-                      f"returned within {k % 4 + 1} weeks, or pay {k % 5 + 1} coins." for k in range(40))
+                      f"returned within {k % 4 + 1} weeks, or pay {k % 5 + 1} coins." for k in range(16))
              for b in range(6)]
+BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def reference(smollm2_cache):
 
 @pytest.fixture(scope="module")
 def stack(smollm2_cache):
-    with Stack(2, model=NAME, block_size=16, num_blocks=512) as s:
+    with Stack(2, model=NAME, block_size=BLOCK, num_blocks=512) as s:
         yield s
 
 
@@ -45,6 +46,14 @@ def _computed(report) -> float:
     return report.prefill_tokens / prompt
 
 
+def _not_held(last, report) -> int:
+    """The prompt tokens of ``report``'s turn that the last turn did not leave in full
+    blocks: a turn's prompt is the last one's, its answer and a new question, and the
+    last turn wrote the KV of its prompt and of every answer token but the last."""
+    return sum(c.num_prompt_tokens - BLOCK * ((p.num_prompt_tokens + STEPS - 1) // BLOCK)
+               for p, c in zip(last.completions, report.completions))
+
+
 def test_turns_alternating_between_workers_fetch_their_history_and_equal_transformers(stack, reference):
     with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
         reports = turns(engine, reference, conversations=2, turns=4, pool=_alternate(stack), systems=DOCUMENTS[:2])
@@ -53,6 +62,8 @@ def test_turns_alternating_between_workers_fetch_their_history_and_equal_transfo
     print(f"computed share of each turn's prompt tokens: {[f'{x:.3f}' for x in shares]}; "
           f"{fetched} blocks fetched, {sum(r.fetch_failures for r in reports)} failed")
     assert shares[0] == 1.0
+    # from the second turn on, only what the last turn did not hold is computed
+    assert [r.prefill_tokens for r in reports[1:]] == [_not_held(a, b) for a, b in zip(reports, reports[1:])]
     assert all(x <= 0.10 for x in shares[1:]), shares
     assert fetched > 0 and sum(r.fetch_failures for r in reports) == 0
     moved_in = sum(metric(w.metrics_url, "kvservice_worker_transfer_blocks_total", direction="in")
@@ -146,7 +157,7 @@ def test_a_source_killed_mid_fetch_is_recomputed_and_leaves_no_pin(reference):
     from helpers import sync_redis
     from kvservice.allocator import keys
 
-    with Stack(2, model=NAME, block_size=16, num_blocks=512) as stack, \
+    with Stack(2, model=NAME, block_size=BLOCK, num_blocks=512) as stack, \
             Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
         source = stack.workers[0]
 
@@ -173,7 +184,7 @@ def test_disaggregated_prefill_and_decode_equal_transformers(reference):
     """A prefill worker and a decode worker: every prompt is computed on the first, its
     sequence then moves to the second (its blocks fetched), which decodes it; the answers
     equal transformers'."""
-    with Stack(2, model=NAME, block_size=16, num_blocks=512, roles=("prefill", "decode")) as stack, \
+    with Stack(2, model=NAME, block_size=BLOCK, num_blocks=512, roles=("prefill", "decode")) as stack, \
             Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
         reports = turns(engine, reference, conversations=2, turns=2, systems=DOCUMENTS[:2])
         moved = [r.migrated_sequences for r in reports]

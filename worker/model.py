@@ -65,7 +65,7 @@ def build_model(name: str, seed: int = 0) -> LlamaForCausalLM:
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model {name!r} (presets: {', '.join([*MODEL_PRESETS, *PRETRAINED])})")
     config = LlamaConfig.from_dict(MODEL_PRESETS[name].to_dict())
-    config._attn_implementation = "eager"
+    config._attn_implementation = "sdpa"     # (a reference's own forward; see weights.load)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(MODEL_DTYPE)
     return model.eval()
