@@ -19,10 +19,11 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.e2e]
 
 
 def test_bench_tiers_prints_one_run_per_configuration(smollm2_cache):
-    # Short system prompts, pools of 24 blocks: between two turns of a chat the seven other
-    # chats' turns go through the pools, so that its blocks were evicted (and copied down).
+    # Short system prompts and answers (8 tokens), pools of 24 blocks: between two turns of a
+    # chat the seven other chats' turns go through the pools, so that its blocks were evicted
+    # (and copied down).
     out = subprocess.run([sys.executable, "-m", "kvservice", "bench-tiers", "--conversations", "8", "--turns", "3",
-                          "--systems", "2", "--system-tokens", "40,60", "--max-tokens", "16", "--num-blocks", "24",
+                          "--systems", "2", "--system-tokens", "40,60", "--max-tokens", "8", "--num-blocks", "24",
                           "--concurrency", "2", "--configs", "off,host", "--json"], cwd=ROOT, capture_output=True,
                          text=True, timeout=380)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from worker_helpers import transformers_twin
 
 from kvservice.client import Client
 from kvservice.engine import Engine, Request
@@ -46,7 +47,7 @@ def small_stack():
 
 @pytest.fixture(scope="module")
 def model():
-    m = build_model(MODEL, SEED)
+    m = transformers_twin(build_model(MODEL, SEED))
     m.generation_config.eos_token_id = None   # generate exactly max_new_tokens
     m.generation_config.pad_token_id = 0
     return m
@@ -242,7 +243,7 @@ def test_a_request_past_8192_tokens_runs_on_the_long_preset_and_matches_hf_logit
     (tokens,) = report.completions[0].outputs
     assert len(prompt) + len(tokens) > 8192 and len(tokens) == k
     got = torch.tensor([list(row) for row in report.completions[0].logits[0]])
-    m = build_model("tiny-llama-long", SEED)
+    m = transformers_twin(build_model("tiny-llama-long", SEED))
     with torch.no_grad():
         ref = m(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     assert got.shape == ref.shape

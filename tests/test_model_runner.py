@@ -2,7 +2,8 @@
 and generate (prefill, batched decode, chunked prefill, copy-on-write forks, seeded
 sampling), bad Forward requests, and the model's settings.
 
-Tolerance: Forward's float32 logits equal ``model(input_ids).logits[:, -1]`` within
+Tolerance: Forward's float32 logits equal transformers' ``model(input_ids).logits[:, -1]`` (its
+``LlamaForCausalLM`` with the worker's weights) within
 ``atol = rtol = 1e-4`` (paged online-softmax attention sums in another order than
 transformers' attention; the differences seen are a few 1e-6). Greedy tokens and whole
 greedy generations must be equal exactly.
@@ -10,6 +11,7 @@ greedy generations must be equal exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
-from worker_helpers import WorkerThread, model_shape
+from worker_helpers import WorkerThread, model_shape, transformers_twin
 
 from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
@@ -43,7 +45,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def model():
+    """The worker's model; the reference is transformers' twin of it (``_twin``)."""
     return build_model("tiny-llama", SEED)
+
+
+_twin = functools.cache(transformers_twin)
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +127,15 @@ def forward(stub, seqs: list[Seq], copies=(), upto: dict[int, int] | None = None
 
 
 def last_logits(model, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits of the last token (its twin of ``model``)."""
     with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0, -1]
+        return _twin(model)(torch.tensor([tokens])).logits[0, -1]
 
 
 def generate(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generation (its twin of ``model``)."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = _twin(model).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
     return out[0].tolist()
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from tokenizers import Tokenizer
-from worker_helpers import model_shape
+from worker_helpers import model_shape, transformers_twin
 
 from worker import weights
 from worker.model import ModelRunner, StepSequence, build_model
@@ -81,10 +81,11 @@ def test_the_tokenizer_and_its_chat_template(cache):
 def test_greedy_tokens_through_the_paged_runner_equal_transformers(cache, model, text):
     prompt = Tokenizer.from_file(str(cache / "tokenizer.json")).encode(text).ids
     steps = 8
+    twin = transformers_twin(model)
     with torch.inference_mode():
-        expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        expected = twin.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                   do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=2)[0].tolist()
-        reference = model(torch.tensor([prompt])).logits[0, -1]
+        reference = twin(torch.tensor([prompt])).logits[0, -1]
     runner = ModelRunner(model, KVPool(model_shape(model, 8, BS), CPU), NAME)
     tokens, table = list(prompt), [5, 1, 6]
 

@@ -16,7 +16,7 @@ from worker.server import create_server, set_serving
 class WorkerThread(LoopThread):
     """A real grpc.aio worker server on 127.0.0.1:0 with a standalone pool (epoch 1).
 
-    With ``model`` (a ``LlamaForCausalLM``), the worker serves it with ``Forward``; the
+    With ``model`` (a ``worker.llama.Llama``), the worker serves it with ``Forward``; the
     pool's layers, KV heads and head dim must then be the model's (``model_shape``).
     ``fence``: the dead leases (and generation) whose writes it refuses; ``metrics``: keep
     its metrics in ``self.metrics`` (a registry to read, no HTTP server).
@@ -46,8 +46,19 @@ class WorkerThread(LoopThread):
         await self.server.stop(grace=0.5)
 
 
+def transformers_twin(model: Any) -> Any:
+    """transformers' ``LlamaForCausalLM`` with the weights of ``model`` (a ``worker.llama.Llama``,
+    as ``build_model`` gives it), float32, eval mode, its attention PyTorch's sdpa: the
+    reference a worker's answers are checked against."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    twin = LlamaForCausalLM(LlamaConfig(**model.config.to_dict(), attn_implementation="sdpa")).float()
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
+
+
 def model_shape(model: Any, num_blocks: int, block_size: int) -> PoolShape:
-    """The pool geometry that fits ``model`` (a ``LlamaForCausalLM``)."""
+    """The pool geometry that fits ``model`` (a ``worker.llama.Llama``)."""
     cfg = model.config
     return PoolShape(num_blocks, block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                      model.dtype)

@@ -22,10 +22,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvservice import errors
+from worker.llama import Llama, LlamaConfig, apply_rotary_pos_emb, from_folder, seeded
 from worker.pool import KVPool, check_block_table
 
 _COMMON = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "initializer_range": 0.1}
@@ -47,9 +46,9 @@ MODEL_DTYPE = torch.float32
 SEED_MULTIPLIER = 1_000_003
 
 
-def build_model(name: str, seed: int = 0) -> LlamaForCausalLM:
-    """A preset with weights drawn from ``seed`` (float32, CPU, eval mode), or a
-    pretrained one (``worker.weights.PRETRAINED``: its own weights, no seed).
+def build_model(name: str, seed: int = 0) -> Llama:
+    """A preset with weights drawn from ``seed`` (float32, CPU, eval mode; ``worker.llama.seeded``),
+    or a pretrained one (``worker.weights.PRETRAINED``: its own weights, no seed).
 
     Args:
         name: a key of ``MODEL_PRESETS`` or of ``PRETRAINED``.
@@ -58,17 +57,13 @@ def build_model(name: str, seed: int = 0) -> LlamaForCausalLM:
     Raises:
         ValueError: for an unknown preset.
     """
-    from worker.weights import PRETRAINED, load
+    from worker.weights import PRETRAINED, converted
 
     if name in PRETRAINED:
-        return load(name)
+        return from_folder(converted(name))
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model {name!r} (presets: {', '.join([*MODEL_PRESETS, *PRETRAINED])})")
-    config = LlamaConfig.from_dict(MODEL_PRESETS[name].to_dict())
-    config._attn_implementation = "sdpa"     # (a reference's own forward; see weights.load)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(MODEL_DTYPE)
-    return model.eval()
+    return seeded(MODEL_PRESETS[name], seed).to(MODEL_DTYPE)
 
 
 def sampling_seed(seed: int, position: int) -> int:
@@ -163,7 +158,8 @@ class ModelRunner:
     """Runs a Llama model over a worker's paged KV pool.
 
     Args:
-        model: a ``LlamaForCausalLM`` on the pool's device, in the pool's dtype.
+        model: a ``worker.llama.Llama`` (or transformers' ``LlamaForCausalLM``, which has the
+            same modules) on the pool's device, in the pool's dtype.
         pool: the KV pool; its geometry must be the model's (layers, KV heads, head
             dim, dtype).
         name: the preset name reported by ``Describe``.
@@ -173,7 +169,7 @@ class ModelRunner:
         ValueError: when the pool's geometry or device does not fit the model.
     """
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, name: str = "", seed: int = 0) -> None:
+    def __init__(self, model: Llama, pool: KVPool, name: str = "", seed: int = 0) -> None:
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         s = pool.shape

@@ -93,7 +93,7 @@ def model_geometry(settings: WorkerSettings, model: Any) -> tuple[int, int, int,
 def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
     """The pool the settings describe, sized from the memory budget (or ``num_blocks``).
 
-    With ``model`` (a ``LlamaForCausalLM``), layers, KV heads, head dim and dtype are the
+    With ``model`` (a ``worker.llama.Llama``), layers, KV heads, head dim and dtype are the
     model's; block size and budget still come from the settings.
     """
     device = resolve_device(settings.device)
