@@ -221,8 +221,8 @@ class StateReader:
     def snapshot(self, pool_id: str) -> dict[str, Any]:
         return self._call(_snapshot(self._allocator, pool_id))
 
-    def audit(self) -> list[str]:
-        return self._call(run_audit(self._allocator, ""))[0]
+    def audit(self, pool_id: str = "") -> list[str]:
+        return self._call(run_audit(self._allocator, pool_id))[0]
 
     def stats(self, pool_id: str) -> dict[str, Any]:
         return self._call(self._allocator.describe_pool(pool_id)).stats
@@ -232,6 +232,12 @@ class StateReader:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+
+    def __enter__(self) -> "StateReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 async def _snapshot(a: Allocator, pool_id: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ fresh pool (``NUM_BLOCKS`` = 32 blocks of ``BS`` = 4 tokens: small, so that crea
 growth run into RESOURCE_EXHAUSTED). Clients: a main one (long lease, no keep-alive
 thread), an optional side client (its own lease, same or other tenant; its sequences are
 freed by revoking the lease with ``close()``), and once per example a short-lease client
-(``lease_ttl`` 0.5 s, no keep-alive) whose sequences the reaper frees when the lease
+(``lease_ttl`` 0.25 s, no keep-alive) whose sequences the reaper frees when the lease
 expires (the rule waits for that, at most 5 s).
 
 Rules: create, append, fork (``Sequence`` methods), free, and ``Client.step`` over several
@@ -32,8 +32,8 @@ the real ones checks the exact equality structure of physical blocks across sequ
 append the last block differs, a free-list or evicted block is reused only when the model
 says it is free or was evicted, an evicted block is exactly the LRU victim).
 
-Checked after every rule: ``helpers.audit(redis_url) == []``; pool stats (free,
-evictable, used = distinct blocks held by live sequences, free + evictable + used ==
+Checked after every rule: the audit finds nothing (``helpers.StateReader.audit``); pool
+stats (free, evictable, used = distinct blocks held by live sequences, free + evictable + used ==
 num_blocks, sequences, leases and every counter: evictions, cow_copies,
 allocation_failures, prefix tokens queried / hit, blocks allocated, ...); the ref map,
 hash -> block map and evictable set (in LRU order) read from Redis; the sharing structure
@@ -63,14 +63,14 @@ from kvservice.allocator import keys
 from kvservice.common import hashing
 from kvservice.client import Client
 
-from helpers import ServerThread, audit, examples, flush, sdk_call, sync_redis
+from helpers import ServerThread, StateReader, examples, flush, sdk_call, sync_redis
 
 BS = 4
 NUM_BLOCKS = 32
 TENANT = "sm"
 MAX_SEQS = 12          # live sequences, so that every check stays cheap
 FAMILY = 1000          # token ids of family f at position i: f * FAMILY + i
-SHORT_TTL = 0.5
+SHORT_TTL = 0.25
 
 COUNTERS = ("prefix_queried_tokens", "prefix_hit_tokens", "evictions", "cow_copies",
             "allocation_failures", "blocks_allocated", "sequences_created", "sequences_freed",
@@ -697,7 +697,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def server_agrees_with_model(self):
         m = self.model
-        assert audit(self.redis_url) == []
+        assert self.reader.audit() == []
         st_ = self.main.pool_stats(self.pool)
         used = sum(1 for b in m.blocks.values() if b.ref > 0)
         assert used + len(m.lru) + m.free == NUM_BLOCKS
@@ -741,8 +741,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 @pytest.mark.timeout(600)
 @pytest.mark.cluster_too
 def test_allocator_state_machine(redis_url):
-    with ServerThread(redis_url) as server, sync_redis(redis_url) as r:
+    with ServerThread(redis_url) as server, sync_redis(redis_url) as r, StateReader(redis_url) as reader:
         AllocatorMachine.redis_url = redis_url
+        AllocatorMachine.reader = reader
         AllocatorMachine.target = server.target
         AllocatorMachine.redis = r
         run_state_machine_as_test(AllocatorMachine, settings=settings(

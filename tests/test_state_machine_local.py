@@ -49,7 +49,7 @@ Checked after every rule: the binding (the handles against the model). After eac
 ``flush()`` rule, the short lease's expiry and at the end of each example, with every
 client flushed and no Sync in flight: per live sequence, the allocator's view
 (``client.get``: table, length, committed blocks, last hash, cached tokens, lease) equals
-the handle's and the model's; ``helpers.audit`` is clean; used + free + evictable +
+the handle's and the model's; the audit is clean; used + free + evictable +
 reserved == ``NUM_BLOCKS``, used == the distinct blocks of the live tables, reserved ==
 the sum of the clients' ``reserved_blocks()``, each lease's holdings in the audit
 (sequences, reserve) match its client, and no journal gap or resync happened (Redis
@@ -79,7 +79,7 @@ from kvservice import errors
 from kvservice.client import Client
 
 from fault_server import FaultyServer
-from helpers import TEST_SETTINGS, audit, examples, sdk_call
+from helpers import TEST_SETTINGS, StateReader, examples, sdk_call
 from local_model import BS, Model, MSeq, chain, last_hash, num_blocks
 from test_state_machine import make_prompt
 
@@ -189,7 +189,7 @@ class LocalMachine(RuleBasedStateMachine):
             stats = _pool_stats(self.server.target, self.pool)
             assert (stats.num_used_blocks, stats.num_reserved_blocks, stats.num_sequences) == (0, 0, 0), stats
             assert stats.num_free_blocks + stats.num_evictable_blocks == NUM_BLOCKS
-            assert audit(self.redis_url) == []
+            assert self.reader.audit() == []
 
     # -- helpers
 
@@ -315,7 +315,7 @@ class LocalMachine(RuleBasedStateMachine):
 
     def check_agreement(self) -> None:
         m, main = self.model, self.clients["main"]
-        assert audit(self.redis_url) == []
+        assert self.reader.audit() == []
         used = len({p for sid in m.seqs for p in self.handles[sid].block_table})
         reserved = {key: c.reserved_blocks() for key, c in self.clients.items()}
         stats = main.pool_stats(self.pool)
@@ -586,8 +586,10 @@ def _pool_stats(target: str, pool: str):
 # Passing: well under a minute. Failing: Hypothesis shrinks for up to 5 minutes more.
 @pytest.mark.timeout(600)
 def test_local_mode_state_machine(redis_url):
-    with FaultyServer(redis_url, SETTINGS) as server, redis.Redis.from_url(redis_url) as r:
+    with FaultyServer(redis_url, SETTINGS) as server, redis.Redis.from_url(redis_url) as r, \
+            StateReader(redis_url) as reader:
         LocalMachine.redis_url = redis_url
+        LocalMachine.reader = reader
         LocalMachine.server = server
         LocalMachine.redis = r
         started = time.monotonic()
@@ -617,8 +619,10 @@ class RemoteMachine(LocalMachine):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("machine", [LocalMachine, RemoteMachine], ids=["local", "remote"])
 def test_state_machine_across_the_per_call_bounds(redis_url, machine):
-    with FaultyServer(redis_url, BOUNDS) as server, redis.Redis.from_url(redis_url) as r:
+    with FaultyServer(redis_url, BOUNDS) as server, redis.Redis.from_url(redis_url) as r, \
+            StateReader(redis_url) as reader:
         machine.redis_url = redis_url
+        machine.reader = reader
         machine.server = server
         machine.redis = r
         LocalMachine.coverage = Counter()

@@ -39,7 +39,7 @@ from kvservice.client import Client
 from kvservice.common import hashing
 from kvservice.v1 import allocator_pb2 as pb
 
-from helpers import ServerThread, audit, examples, flush, sync_redis
+from helpers import ServerThread, StateReader, examples, flush, sync_redis
 
 BS = 4
 NUM_BLOCKS = 8
@@ -223,7 +223,7 @@ class TierMachine(RuleBasedStateMachine):
 
     @invariant()
     def tiers_agree_with_model(self):
-        assert audit(self.redis_url, self.pool) == []
+        assert self.reader.audit(self.pool) == []
         stats = {t.tier: t for t in self.client.pool_stats(self.pool).tiers}
         for code, name in NAMES.items():
             t = stats[name]
@@ -237,8 +237,9 @@ class TierMachine(RuleBasedStateMachine):
 @pytest.mark.cluster_too
 def test_tier_state_machine(redis_url):
     TierMachine.coverage = Counter()
-    with ServerThread(redis_url) as server:
+    with ServerThread(redis_url) as server, StateReader(redis_url) as reader:
         TierMachine.redis_url = redis_url
+        TierMachine.reader = reader
         TierMachine.target = server.target
         run_state_machine_as_test(TierMachine, settings=settings(
             max_examples=examples(25, redis_url), stateful_step_count=30, deadline=None, report_multiple_bugs=False, derandomize=True,
