@@ -171,13 +171,17 @@ def test_a_message_beyond_the_limit_is_refused_before_it_is_decoded_and_memory_s
             stub.ListPools(pb.ListPoolsRequest(), timeout=30)
             big = pb.CreateSequenceRequest(lease_id="x", token_ids=[2**30] * ((24 << 20) // 5))   # ~24 MB
             assert big.ByteSize() > 16 << 20
+            # (serialized once: the same bytes, sent as CreateSequence requests)
+            payload = big.SerializeToString()
+            create = channel.unary_unary("/kvservice.v1.Allocator/CreateSequence",
+                                         response_deserializer=pb.Sequence.FromString)
 
             def refuse(n: int) -> float:
                 """Sends n refused requests; returns the peak RSS meanwhile (MB)."""
                 peak = 0.0
                 for _ in range(n):
                     with pytest.raises(grpc.RpcError) as info:
-                        stub.CreateSequence(big, timeout=60)
+                        create(payload, timeout=60)
                     # (gRPC's own refusal: no handler saw it, nothing decoded it)
                     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
                     assert "larger than max" in info.value.details(), info.value.details()
