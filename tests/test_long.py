@@ -159,8 +159,8 @@ def test_a_process_killed_in_the_middle_of_a_staged_create_leaves_nothing_after_
     the create it started, then the lease lapses) or the allocator that staged it (SIGKILL;
     its staged record and admission stay until the lease lapses). Within the lease's TTL
     of the kill (and, when the allocator that served the lease is killed, the other one's
-    ``--reap-recheck``: it never served the lease, docs/allocator.md "Leases"), every
-    block is free or cached again, no run is left and the audit is clean."""
+    ``--reap-recheck``: it never served the lease, docs/allocator.md "Leases"), plus 2 s,
+    every block is free or cached again, no run is left and the audit is clean."""
     import os
     import signal
     import subprocess
@@ -207,7 +207,9 @@ def test_a_process_killed_in_the_middle_of_a_staged_create_leaves_nothing_after_
                 time.sleep(0.02)
             elapsed = time.monotonic() - killed
             print(f"{who} killed with {held} blocks staged: all back {elapsed:.2f} s after the kill (TTL {ttl} s)")
-            assert elapsed <= ttl + late + 1.0
+            # (the reaper's pass and this loop's reads, on a machine whose cores the other
+            # test processes share: within 2 s of the lease's lapse)
+            assert elapsed <= ttl + late + 2.0
             assert s["num_free_blocks"] + s["num_evictable_blocks"] == 70_000
             assert audit(redis_url) == []
             with Client(reaper.target, tenant="admin") as admin:     # (admission given back: room for it all)
