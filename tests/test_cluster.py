@@ -394,9 +394,11 @@ def test_the_reaper_frees_expired_leases_on_healthy_shards_while_one_shard_fails
         everything = time.monotonic() - t0
         print(f"healthy shards reaped {reaped:.1f} s after the kill, all {everything:.1f} s after")
         # (the lease expired at ~1 s; a reaper held up by the failing shard would reap the
-        # healthy shards' pools in the same pass as the failed-over one's, after the failover:
-        # on a loaded machine the first bound may pass, the second then holds)
-        assert reaped < 4.0 or everything - reaped >= 1.0, (reaped, everything)
+        # healthy shards' pools in the same pass as the failed-over one's, after the failover,
+        # and the loop above would see those within its first reads, ~0.1 s: on a loaded
+        # machine the first bound may pass, the second then holds; measured there: 4.1 s,
+        # and the failed-over shard's pools 0.7 s later)
+        assert reaped < 4.0 or everything - reaped >= 0.5, (reaped, everything)
         audit = admin.stub.Audit(pb.AuditRequest(), timeout=30)
         assert audit.ok, list(audit.problems)
         assert "reaper: pool" in allocator.log() and "skipped, its Redis is unreachable" in allocator.log()
