@@ -145,10 +145,10 @@ def test_reservations_of_the_contiguous_policies():
 def _small_trace() -> list[SimRequest]:
     """Alpaca lengths behind a 32-token shared prefix, every third request with two
     samples, and one request longer than the model's maximum length."""
-    base = generate("alpaca", 90, seed=11, rate=2.0, max_len=200)
+    base = generate("alpaca", 45, seed=11, rate=2.0, max_len=200)
     reqs = [dataclasses.replace(r, prompt_len=r.prompt_len + 32, shared_prefix=32, n=2 if r.id % 3 == 0 else 1)
             for r in base]
-    return reqs + [SimRequest(90, 5, 200, 100)]
+    return reqs + [SimRequest(45, 5, 200, 100)]
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.e2e
 
 SEED = 23
 PARAMS = dict(
-    workload="sharegpt", requests=40, rate=1.0, capacity_tokens=4096, max_len=512, seed=SEED,
+    workload="sharegpt", requests=24, rate=1.0, capacity_tokens=4096, max_len=512, seed=SEED,
     max_num_seqs=32, target="", block_sizes="8,16,64", json=True,
-    sweep_requests=0, sharing_requests=24, sharing_prompt_len=200, sharing_n=4, sharing_output_len=24,
+    sweep_requests=0, sharing_requests=12, sharing_prompt_len=200, sharing_n=4, sharing_output_len=12,
 )
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -63,7 +63,7 @@ def test_study_shape(generated):
     assert set(study["sharing"]["workloads"]) == {"parallel", "system-prompt"}
     for runs in study["sharing"]["workloads"].values():
         assert set(runs) == {"paged", "paged-shared"}
-        assert all(r["num_requests"] == 24 for r in runs.values())
+        assert all(r["num_requests"] == 12 for r in runs.values())
     ps = study["sharing"]["parallel_sampling"]
     assert ps["minimum_blocks"] <= ps["physical_blocks"] <= ps["independent_blocks"]
     every = list(study["policies"].values()) + study["block_sizes"] + [
@@ -76,8 +76,8 @@ def test_study_shape(generated):
         assert (r["reserved_unused"] > 0) == paged, r["policy"]   # the SDK's lease reserve: paged runs only
         assert not paged or 1 <= r["peak_reserved_blocks"] <= 4   # the study allocator's cap
     p = study["params"]
-    assert (p["seed"], p["requests"], p["capacity_tokens"], p["max_len"]) == (SEED, 40, 4096, 512)
-    assert p["sweep_requests"] == 40 and p["sharing_requests"] == 24
+    assert (p["seed"], p["requests"], p["capacity_tokens"], p["max_len"]) == (SEED, 24, 4096, 512)
+    assert p["sweep_requests"] == 24 and p["sharing_requests"] == 12
     assert len(study["runs"]) == 4 + 2 + 1 + 4  # the block-16 sweep point is not run twice
 
 
@@ -90,15 +90,15 @@ def test_sections_and_parameters(generated):
     assert "make study" in md and "kvservice simulate --report" in md
     lines = _lines(md)
     assert _row(("seed", SEED)) in lines
-    assert _row(("requests (part 1)", "40")) in lines
-    assert _row(("requests (part 3, sharing workloads)", "24")) in lines
+    assert _row(("requests (part 1)", "24")) in lines
+    assert _row(("requests (part 3, sharing workloads)", "12")) in lines
     assert _row(("KV capacity", "4,096 token slots")) in lines
     assert _row(("max_len", "512 tokens")) in lines
     assert _row(("max_num_seqs", 32)) in lines
     assert _row(("block sizes (part 2)", "8, 16, 64")) in lines
-    assert ("kvservice simulate --report --workload sharegpt --requests 40 --rate 1 --capacity-tokens 4096 "
-            f"--max-len 512 --max-num-seqs 32 --seed {SEED} --block-sizes 8,16,64 --sweep-requests 40 "
-            "--sharing-requests 24") in md
+    assert ("kvservice simulate --report --workload sharegpt --requests 24 --rate 1 --capacity-tokens 4096 "
+            f"--max-len 512 --max-num-seqs 32 --seed {SEED} --block-sizes 8,16,64 --sweep-requests 24 "
+            "--sharing-requests 12") in md
     # part 3 used fewer requests than part 1: the page says so
     assert "part 3 uses fewer requests than part 1" in md
     # no dates: regenerating the page only changes what the runs change
