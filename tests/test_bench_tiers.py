@@ -22,7 +22,7 @@ def test_bench_tiers_prints_one_run_per_configuration(smollm2_cache):
     # Short system prompts and answers (8 tokens), pools of 24 blocks: between two turns of a
     # chat the seven other chats' turns go through the pools, so that its blocks were evicted
     # (and copied down).
-    out = subprocess.run([sys.executable, "-m", "kvservice", "bench-tiers", "--conversations", "8", "--turns", "3",
+    out = subprocess.run([sys.executable, "-m", "kvservice", "bench-tiers", "--conversations", "8", "--turns", "2",
                           "--systems", "2", "--system-tokens", "40,60", "--max-tokens", "8", "--num-blocks", "24",
                           "--concurrency", "2", "--configs", "off,host", "--json"], cwd=ROOT, capture_output=True,
                          text=True, timeout=380)

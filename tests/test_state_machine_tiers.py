@@ -242,7 +242,7 @@ def test_tier_state_machine(redis_url):
         TierMachine.reader = reader
         TierMachine.target = server.target
         run_state_machine_as_test(TierMachine, settings=settings(
-            max_examples=examples(25, redis_url), stateful_step_count=30, deadline=None, report_multiple_bugs=False, derandomize=True,
+            max_examples=examples(25, redis_url, fast=False), stateful_step_count=30, deadline=None, report_multiple_bugs=False, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
     print("\ntier state machine coverage:", dict(sorted(TierMachine.coverage.items())))
     for needed in ("device -> host", "host -> disk (a host entry evicted)", "load", "settled ok", "copy failed",
