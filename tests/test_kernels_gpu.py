@@ -311,6 +311,6 @@ def test_lower_tier_orders_on_a_cuda_pool_with_a_pinned_host_tier(tmp_path):
     assert torch.equal(pool.k_caches[:, 5], pool.k_caches[:, 9]) and torch.equal(pool.v_caches[:, 5],
                                                                                   pool.v_caches[:, 9])
     before = pool.k_caches[:, 10].clone()
-    assert "holds block" in tiers.run([(HOST, 0, DEVICE, 10, b"x" * 16)])[0]
+    assert "holds another block" in tiers.run([(HOST, 0, DEVICE, 10, b"x" * 16)])[0]
     assert torch.equal(pool.k_caches[:, 10], before)
     tiers.close()

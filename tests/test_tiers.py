@@ -179,7 +179,8 @@ def test_the_orders_move_a_block_down_two_tiers_and_back_and_a_wrong_hash_fails(
     before = pool.k_caches[:, 10].clone()
     errors = tiers.run([(DISK, 2, DEVICE, 10, other), (HOST, 0, DEVICE, 10, h), (DEVICE, 1, DEVICE, 2, h),
                         (HOST, 7, DEVICE, 10, h)])
-    assert "holds block" in errors[0] and "never stored" in errors[1] and "copy" in errors[2]
+    assert "holds another block" in errors[0] and "never stored" in errors[1] and "copy" in errors[2]
+    assert h.hex() not in errors[0] and other.hex() not in errors[0]       # (an entry's hash is never told)
     assert "out of range" in errors[3]
     assert torch.equal(pool.k_caches[:, 10], before)           # (no failed order wrote anything)
     assert tiers.moved == {(DEVICE, HOST): 1, (HOST, DISK): 1, (DISK, DEVICE): 1}

@@ -6,8 +6,11 @@ a stale epoch, a dead source, an engine pulling directly are refused."""
 
 from __future__ import annotations
 
+import glob
+import os
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import grpc
@@ -22,8 +25,8 @@ from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.tiers import LoadFailed
-from worker.transfer import (STAGING_PREFIX, Assembler, Piece, Staging, block_checksum, decode, device_messages, encode,
-                             from_message, open_staging, pieces, staged_messages, verify)
+from worker.transfer import (STAGING_HEADER, STAGING_PREFIX, Assembler, Piece, Staging, block_checksum, decode, device_messages, encode,
+                             from_message, open_staging, pieces, put_blocks, staged_messages, verify)
 
 pytestmark = pytest.mark.e2e
 
@@ -170,7 +173,8 @@ def test_staged_blocks_go_through_the_destination_s_file_and_only_checksums_trav
     file = staging.take("w0:1", 5 * bpb)
     assert file is not None and file.size >= 5 * bpb and (tmp_path / file.name).is_file()
     assert oct((tmp_path / file.name).stat().st_mode & 0o777) == "0o600"
-    source_view = open_staging(str(tmp_path), file.name, 5 * bpb)       # (the source's own mapping)
+    token = file.new_token()
+    source_view = open_staging(str(tmp_path), file.name, 5 * bpb, token)       # (the source's own mapping)
     asked = [(0, 7, b""), (0, 0, b""), (1, 4, b""), (0, 3, b""), (0, 99, b"")]
     entries = _blocks(5, bpb)
 
@@ -194,6 +198,19 @@ def test_staged_blocks_go_through_the_destination_s_file_and_only_checksums_trav
     assert [bytes(d) for _, d, _, _ in out[:4]] == expected
     file.view[bpb + 5] ^= 1                                   # (block 1 changed after its checksum was taken)
     assert "checksum" in verify(out[1][1], out[1][3]) and verify(out[0][1], out[0][3]) == ""
+    # The source's checksum is of its own bytes: block 0 changed in the file while it was
+    # being staged fails, though the file's bytes and the piece agree on nothing else.
+    target = _pool_of(5)
+    with_token = file.new_token()
+    assert open_staging(str(tmp_path), file.name, 5 * bpb, token) is None     # (the last stream's token: refused)
+    view = open_staging(str(tmp_path), file.name, 5 * bpb, with_token)
+    staged = staged_messages(pool, [(0, 2, b"")], read, view, bpb)
+    message = next(staged)
+    file.view[7] ^= 0x40                                      # (a writer of the file, after the source's copy)
+    done = Assembler(1, bpb, file.view).feed(decode(message))
+    assert put_blocks(target, [6], done) == [(0, f"checksum {block_checksum(file.view[:bpb]):#018x}, "
+                                                 f"sent {block_checksum(bytes(block_bytes(pool, 2).numpy())):#018x}")]
+    assert torch.equal(block_bytes(target, 6), block_bytes(_pool_of(5), 6))   # (left as it was)
     # A staged piece with no file offered, or beyond it, fails its block only.
     assert "no staging file" in Assembler(1, bpb).feed([Piece(0, last=True, checksum=1, staged=True)])[0][2]
     staging.give("w0:1", file, clean=True, staged=True, inline=False)
@@ -209,11 +226,16 @@ def test_a_source_that_cannot_open_the_file_streams_the_bytes_and_is_offered_non
     file = staging.take("elsewhere:1", bpb)
     (tmp_path / "link").symlink_to(tmp_path / file.name)
     # What a source elsewhere finds: no such file, a file too small, a link; a bad name is refused.
-    assert open_staging(str(tmp_path / "other"), file.name, bpb) is None
-    assert open_staging(str(tmp_path), file.name, file.size + 1) is None
-    assert open_staging("", file.name, bpb) is None
+    token = file.new_token()
+    assert open_staging(str(tmp_path / "other"), file.name, bpb, token) is None
+    assert open_staging(str(tmp_path), file.name, file.size + 1, token) is None
+    assert open_staging("", file.name, bpb, token) is None
     with pytest.raises(errors.InvalidArgument, match="staging"):
-        open_staging(str(tmp_path), "link", bpb)
+        open_staging(str(tmp_path), "link", bpb, token)
+    # Whoever learned the name (the directory is listable) and not the stream's token: refused.
+    assert open_staging(str(tmp_path), file.name, bpb, bytes(16)) is None
+    with pytest.raises(errors.InvalidArgument, match="staging_token"):
+        open_staging(str(tmp_path), file.name, bpb, b"")
     got = Assembler(1, bpb, file.view)
     got.feed([Piece(0, 0, b"x" * bpb, True, block_checksum(b"x" * bpb))])
     assert got.inline and not got.staged
@@ -360,7 +382,7 @@ def test_a_host_entry_is_fetched_once_its_hash_matches_and_a_mismatch_leaves_the
     reply = pair.fetch([pb.BlockFetch(src_tier=1, src=0, block_hash=b"\x01" * 16, dst=dst.block_table[0]),
                         pb.BlockFetch(src_tier=1, src=1, block_hash=b"\x07" * 16, dst=dst.block_table[1])])
     assert reply.results[0].ok and not reply.results[1].ok
-    assert "holds block" in reply.results[1].error
+    assert "holds another block" in reply.results[1].error
     assert pair.read("worker-1", dst.block_table[0]) == pair.read("worker-0", src.block_table[0])
     assert pair.read("worker-1", dst.block_table[1]) == before
     src.free()
@@ -413,3 +435,67 @@ def test_a_dead_source_fails_every_block_and_writes_none(stack, pair):
         stack.workers[0].start()
         epoch = _stub(stack, "worker-0")[1].Describe(pb.DescribeWorkerRequest(), timeout=10).epoch
         assert wait_for(lambda: any(p.pool_id == "worker-0" and p.epoch == epoch for p in pair.client.pools()))
+
+
+def test_fetches_complete_with_the_source_s_bytes_while_others_write_the_staging_file(stack, pair):
+    """A process of the workers' user writes other bytes into worker-1's staging files all
+    along, and a caller with a worker's credentials pulls other blocks naming them: every
+    fetch that completes holds the source's bytes, one that does not leaves its blocks as
+    they were (the engine recomputes them), and the foreign pull is not written there."""
+    src = pair.client.create(list(range(1, 8 * BS + 1)), pool="worker-0")
+    dst = pair.client.create(list(range(5000, 5000 + 8 * BS)), pool="worker-1")
+    pair.write("worker-0", list(src.block_table), seed=11)
+    expected = {s: pair.read("worker-0", s) for s in src.block_table}
+    # (worker-1 reaches worker-0 again: another test of the module restarts it)
+    one = [pb.BlockFetch(src_tier=0, src=src.block_table[0], dst=dst.block_table[0])]
+    assert wait_for(lambda: pair.fetch(one).results[0].ok, timeout=30)
+    directory = "/dev/shm"
+    pattern = f"{directory}/{STAGING_PREFIX}{stack.workers[1].proc.pid}-*"
+    stop, scribbles = threading.Event(), [0]
+
+    def scribble() -> None:             # (the whole block region of each file, over and over)
+        noise = os.urandom(1 << 20)
+        while not stop.is_set():
+            for path in glob.glob(pattern):
+                try:
+                    with open(path, "r+b") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        f.seek(STAGING_HEADER)
+                        for at in range(STAGING_HEADER, size, len(noise)):
+                            f.write(noise[:size - at])
+                    scribbles[0] += 1
+                except OSError:
+                    pass
+
+    ch, worker_stub = _stub(stack, "worker-0", "worker-1")      # (a worker's credentials)
+    thread = threading.Thread(target=scribble, daemon=True)
+    thread.start()
+    ok = failed = foreign_staged = 0
+    try:
+        for round_ in range(12):
+            pair.write("worker-1", list(dst.block_table), seed=100 + round_)
+            before = {d: pair.read("worker-1", d) for d in dst.block_table}
+            files = [os.path.basename(p) for p in glob.glob(pattern)]
+            for name in files:            # (the foreign pull: the name, not the stream's token)
+                pull = pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"], staging=name,
+                                            staging_token=os.urandom(16), blocks=[pb.BlockRef(index=0)])
+                foreign_staged += sum(p.staged for c in worker_stub.PullBlocks(pull, timeout=10) for p in c.pieces)
+            reply = pair.fetch([pb.BlockFetch(src_tier=0, src=s, dst=d)
+                                for s, d in zip(src.block_table, dst.block_table)])
+            for r, s, d in zip(reply.results, src.block_table, dst.block_table):
+                got = pair.read("worker-1", d)
+                if r.ok:
+                    assert got == expected[s], f"round {round_}: block {d} completed with other bytes"
+                    ok += 1
+                else:
+                    assert "checksum" in r.error and got == before[d], (round_, r.error)
+                    failed += 1
+    finally:
+        stop.set()
+        thread.join(10)
+        ch.close()
+    print(f"{ok} blocks fetched with the source's bytes, {failed} failed their check; {scribbles[0]} scribbles")
+    assert scribbles[0] > 0 and ok + failed == 12 * 8 and foreign_staged == 0
+    assert _metric(stack.workers[1].metrics_url, "kvservice_worker_transfer_staged_fetches_total") >= 1
+    src.free()
+    dst.free()

@@ -181,7 +181,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         staging = None
         if request.staging:
             staging = transfer.open_staging(self._staging_dir(), request.staging,
-                                            len(blocks) * self.pool.shape.bytes_per_block)
+                                            len(blocks) * self.pool.shape.bytes_per_block, request.staging_token)
         bpb = self.pool.shape.bytes_per_block
         async for message in transfer.serve(blocks, self._read, chunk, pool, staging):   # (serialized: serialize_chunk)
             yield message

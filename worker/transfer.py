@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hmac
 import logging
 import mmap
 import os
@@ -489,9 +490,9 @@ async def serve(blocks: list[tuple[int, int, bytes]], read: Any, chunk_bytes: in
 def staged_messages(pool: KVPool, blocks: list[tuple[int, int, bytes]], read: Any, staging: memoryview,
                     chunk_bytes: int) -> Iterator[bytes]:
     """The messages of a stream whose blocks go to the destination's staging file: block
-    i's bytes (as ``read`` gives them; a device block copied straight from the pool) at
-    i x bytes_per_block of ``staging``, and in the stream only a staged piece with its
-    checksum (or an error piece), as many blocks a message as ``chunk_bytes`` of data would
+    i's bytes (as ``read`` gives them; a device block gathered from the pool) at
+    i x bytes_per_block of ``staging``, and in the stream only a staged piece with the
+    checksum of those bytes (or an error piece), as many blocks a message as ``chunk_bytes`` of data would
     hold (the first message one block: the destination starts while the rest is copied)."""
     s = pool.shape
     bpb = s.bytes_per_block
@@ -502,18 +503,15 @@ def staged_messages(pool: KVPool, blocks: list[tuple[int, int, bytes]], read: An
         for position in range(start, end):
             tier, index, tag = blocks[position]
             at = position * bpb
-            target = torch.frombuffer(staging[at:at + bpb], dtype=torch.uint8)
             try:
-                if tier == DEVICE and 0 <= index < s.num_blocks:
-                    kv = target.view(s.dtype).view(2, s.num_layers, s.num_kv_heads, s.block_size, s.head_dim)
-                    kv[0].copy_(pool.k_caches[:, index])
-                    kv[1].copy_(pool.v_caches[:, index])
-                else:
-                    target.copy_(read(tier, index, tag))
+                data = block_bytes(pool, index) if tier == DEVICE and 0 <= index < s.num_blocks else read(tier, index, tag)
             except (LoadFailed, ValueError) as exc:
                 chunk.append(Piece(position, last=True, error=str(exc) or "unreadable"))
                 continue
-            chunk.append(Piece(position, last=True, checksum=block_checksum(staging[at:at + bpb]), staged=True))
+            # (the checksum of the block's own bytes, not of the file: a file that another
+            # process writes meanwhile fails the destination's check)
+            torch.frombuffer(staging[at:at + bpb], dtype=torch.uint8).copy_(data)
+            chunk.append(Piece(position, last=True, checksum=block_checksum(data.numpy()), staged=True))
         yield encode(chunk)
 
 
@@ -522,9 +520,14 @@ def staged_messages(pool: KVPool, blocks: list[tuple[int, int, bytes]], read: An
 # in its PullBlocksRequest; a source that can open it (``open_staging``: same machine, same
 # user, same shared-memory directory) writes the blocks there and streams only their
 # checksums; a source that cannot (another machine, another container) streams the bytes,
-# and is not offered a file again. Each file serves one source address, so that its name is
-# only ever told to the worker that writes it, and it is used again only after a stream
-# that ended cleanly (a source that broke off might still write into it).
+# and is not offered a file again. Each file serves one source address, and it is used
+# again only after a stream that ended cleanly (a source that broke off might still write
+# into it). A file's name can be listed by anyone: its header holds a secret that the
+# destination draws anew for each stream and sends only in its PullBlocksRequest
+# (``staging_token``); a source writes into the file only when the header holds the token
+# it was sent, so that nobody else's pull is written there. The destination checks a
+# private copy of each block it took from the file (a process of the same user could still
+# write the file), against the checksum of the source's own bytes.
 
 #: A staging file's name: the prefix, its maker's process id and 32 hex digits (128
 #: random bits). A worker that starts removes the files of processes gone (``Staging``).
@@ -532,6 +535,10 @@ STAGING_PREFIX = "kvs-staging-"
 _STAGING_NAME = re.compile(r"kvs-staging-([0-9]{1,10})-[0-9a-f]{32}")
 #: The largest staging file: a fetch of more bytes goes in the stream.
 STAGING_MAX_BYTES = 512 << 20
+#: A staging file's header: the stream's token (``STAGING_TOKEN_BYTES``) at its start, the
+#: blocks after it.
+STAGING_HEADER = 4096
+STAGING_TOKEN_BYTES = 16
 
 
 def check_staging_name(name: str) -> None:
@@ -551,16 +558,29 @@ _OPEN_STAGING: OrderedDict[str, _Mapped] = OrderedDict()
 _OPEN_STAGING_MAX = 8
 
 
-def open_staging(directory: str, name: str, nbytes: int) -> memoryview | None:
-    """The destination's staging file ``name`` in ``directory``, mapped (kept open for the
-    next stream to the same file), once it is a regular file of this process's user of at
-    least ``nbytes`` bytes; None where it cannot be opened (another machine or container)
-    or is not such a file.
+def open_staging(directory: str, name: str, nbytes: int, token: bytes) -> memoryview | None:
+    """The blocks' part of the destination's staging file ``name`` in ``directory``,
+    mapped (kept open for the next stream to the same file), once it is a regular file of
+    this process's user with room for ``nbytes`` bytes of blocks whose header holds
+    ``token``; None where it cannot be opened (another machine or container), is not such a
+    file, or holds another token (the stream's bytes then go in the stream).
 
     Raises:
-        InvalidArgument: not a staging file's name.
+        InvalidArgument: not a staging file's name, or a token of the wrong length.
     """
     check_staging_name(name)
+    if len(token) != STAGING_TOKEN_BYTES:
+        raise errors.InvalidArgument(f"staging_token: {STAGING_TOKEN_BYTES} bytes with a staging file, got "
+                                     f"{len(token)}")
+    view = _map_staging(directory, name, STAGING_HEADER + nbytes)
+    if view is None or not hmac.compare_digest(bytes(view[:STAGING_TOKEN_BYTES]), token):
+        return None
+    return view[STAGING_HEADER:]
+
+
+def _map_staging(directory: str, name: str, nbytes: int) -> memoryview | None:
+    """The whole staging file, mapped, if it is a regular file of this user of at least
+    ``nbytes`` bytes (None otherwise)."""
     if not directory:
         return None
     path = os.path.join(directory, name)
@@ -610,21 +630,31 @@ class StagingFile:
         self.size = size
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size)      # (its memory reserved: no SIGBUS on a full tmpfs later)
-            self.mapping = mmap.mmap(fd, size)
+            os.posix_fallocate(fd, 0, STAGING_HEADER + size)   # (its memory reserved: no SIGBUS on a full tmpfs later)
+            self.mapping = mmap.mmap(fd, STAGING_HEADER + size)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             raise
         os.close(fd)
-        self.view = memoryview(self.mapping)
+        self._whole = memoryview(self.mapping)
+        #: The blocks' part (``size`` bytes, after the header).
+        self.view = self._whole[STAGING_HEADER:]
+
+    def new_token(self) -> bytes:
+        """Draws the next stream's token and writes it into the header (a source that is
+        still writing for an earlier stream, or anyone else's pull, no longer matches)."""
+        token = secrets.token_bytes(STAGING_TOKEN_BYTES)
+        self._whole[:STAGING_TOKEN_BYTES] = token
+        return token
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.path)
         with contextlib.suppress(BufferError):     # (views still in use: unmapped with the last of them)
             self.view.release()
+            self._whole.release()
             self.mapping.close()
 
 
@@ -786,6 +816,7 @@ async def fetch(transport: Transport, address: str, request: pb.PullBlocksReques
     file = staging.take(address, len(destinations) * bpb) if staging is not None else None
     if file is not None:
         request.staging = file.name
+        request.staging_token = file.new_token()
     got = Assembler(len(destinations), bpb, file.view if file is not None else None)
     writes: list[asyncio.Future] = []
     clean = False
@@ -820,6 +851,10 @@ def put_blocks(pool: KVPool, destinations: list[int], done: list[tuple[int, Any,
     those it did not write (left as they were)."""
     failed = []
     for position, data, error, digest in done:
+        if isinstance(data, memoryview) and isinstance(data.obj, mmap.mmap):
+            # A block in the staging file, which its source (or a process of the same user)
+            # may still write: the bytes checked are the bytes written, a private copy of them.
+            data = bytes(data)
         error = error or verify(data, digest)
         if error:
             failed.append((position, error))
