@@ -25,6 +25,7 @@ from typing import Awaitable, Callable
 
 from kvservice import errors
 from kvservice.common.settings import echo
+from worker.rights import BlockRights
 
 #: How long a dead lease is remembered (the allocator keeps its tombstones an hour).
 REMEMBER_SECONDS = 3600.0
@@ -57,6 +58,9 @@ class LeaseFence:
         self._refreshed_at = -float("inf")
         #: Writes refused, by reason (LEASE_EXPIRED, ROLLED_BACK).
         self.refused: dict[str, int] = {"LEASE_EXPIRED": 0, "ROLLED_BACK": 0}
+        #: The pool's table of grants (``worker/rights.py``; None: a worker with no pool
+        #: registered with an allocator): the dead leases are forgotten there too.
+        self.rights: BlockRights | None = None
 
     def __len__(self) -> int:
         return len(self._dead)
@@ -66,6 +70,8 @@ class LeaseFence:
         now = time.monotonic()
         for lease in dead_leases:
             self._dead[lease] = now
+        if self.rights is not None and dead_leases:
+            self.rights.forget(dead_leases)
         self.dead_until_ms = max(self.dead_until_ms, dead_until_ms)
         if len(self._dead) > MAX_REMEMBERED or (self._dead and now - next(iter(self._dead.values())) > REMEMBER_SECONDS):
             cutoff = now - REMEMBER_SECONDS

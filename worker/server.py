@@ -31,6 +31,7 @@ from kvservice.v1 import allocator_pb2, allocator_pb2_grpc, worker_pb2, worker_p
 from worker import tensors
 from worker.config import WorkerSettings, parse_memory
 from worker.fence import LeaseFence
+from worker.rights import BlockRights
 from worker.metrics import WorkerMetrics
 from worker.pool import KVPool, PoolShape, blocks_for_budget
 from worker.servicer import WorkerServicer
@@ -172,6 +173,8 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
     if fence is None:
         fence = LeaseFence()
     fence.require_lease = fence.require_lease or authenticated
+    if allocator and fence.rights is None:
+        fence.rights = BlockRights(pool.shape.num_blocks, pool_id)
     servicer = WorkerServicer(pool, pool_id, allocator, runner, fence, tiers, sources)
     if metrics is not None:
         metrics.store = servicer.store
@@ -261,6 +264,8 @@ class Registrar:
                 delay = min(delay * 2, 2.0)
         self.pool.epoch = reply.epoch
         self.fence.generation = reply.generation
+        if self.fence.rights is not None:
+            self.fence.rights.reset(reply.epoch, reply.grant_key)
         self.registered = True
         log.info("pool %s registered at epoch %d (%d blocks of %d tokens)", self.pool_id, reply.epoch,
                  s.num_blocks, s.block_size)

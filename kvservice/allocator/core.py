@@ -19,6 +19,7 @@ from typing import Any
 from kvservice import errors
 from kvservice.allocator.config import Settings, cache_groups, tenant_quotas
 from kvservice.allocator.domain import TENANT, Heartbeat, LeaseInfo, PoolInfo
+from kvservice.common.grants import new_key
 from kvservice.allocator.checks import (MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint,
                                         geometry_of, lease_info)
 from kvservice.allocator.reaping import ReapSchedule
@@ -92,13 +93,15 @@ class Allocator(StepOps, ReserveOps, TierOps):
                    "disk_entries": disk_tier_blocks, "disk_kept": bool(disk_tier_kept), "role": role,
                    "events": self.settings.kv_events}
         payload["fingerprint"] = fingerprint("register", payload)
+        # (drawn here, for the new epoch; a retry gets the key its first call stored)
+        payload["grant_key"] = new_key().hex()
         reply = await self.store.register_pool(payload)
         self._geometry[pool_id] = (int(reply["epoch"]), geometry)
         self._roles[pool_id] = role
         log.info("pool %s registered: epoch %s, %d blocks of %d tokens", pool_id, reply["epoch"],
                  geometry.num_blocks, geometry.block_size)
         return PoolInfo(pool_id, int(reply["epoch"]), geometry, worker_address, int(reply["registered_ms"]),
-                        generation=int(reply["generation"]), role=role)
+                        generation=int(reply["generation"]), role=role, grant_key=bytes.fromhex(reply["grant_key"]))
 
     async def list_pools(self) -> list[PoolInfo]:
         """Every pool (read a page of ``FAN_OUT`` at a time)."""

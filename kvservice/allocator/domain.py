@@ -239,6 +239,8 @@ class PoolInfo:
     draining: bool = False
     #: "both", "prefill" or "decode" (RegisterPoolRequest.role)
     role: str = "both"
+    #: the pool's grant key of this epoch: in a registration's reply only (for its worker)
+    grant_key: bytes = b""
 
 
 #: ``<pool>/<epoch>/<n>-<tag>``: ASCII digits only (``str.isdigit`` also takes "²" and

@@ -8,8 +8,9 @@ Pool keys (``kvs:{<pool>}:<name>``), in the order the scripts receive them as KE
 
 - ``meta``   hash: geometry, ``epoch``, ``worker_address``, ``registered_ms``, ``next_seq``,
   ``heartbeat_ms`` (the last worker heartbeat, Redis clock), ``generation``, ``server``
-  (the run_id of the Redis process that began it) and ``generations`` (how many began in
-  the pool's life: ``scripts/lib/generation.lua``)
+  (the run_id of the Redis process that began it), ``generations`` (how many began in
+  the pool's life: ``scripts/lib/generation.lua``) and ``grant_key`` (the epoch's key of
+  the grants the allocator signs for the pool's worker, hex: ``kvservice/common/grants.py``)
 - ``state``  hash: ``fresh`` (blocks at or above it were never used, hence free), ``clock``
   (LRU counter of the evictable set), ``version`` (raised by every script that changes the
   pool: the audit reads the pool in pieces and checks it read one state),

@@ -128,7 +128,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         info = await self.a.register_pool(request.pool_id, Geometry.from_pb(request.geometry), request.worker_address,
                                           request.request_id, request.host_tier_blocks, request.disk_tier_blocks,
                                           request.disk_tier_kept, request.role)
-        return pool_to_pb(await self.a.describe_pool(info.pool_id))
+        out = pool_to_pb(await self.a.describe_pool(info.pool_id))
+        out.grant_key = info.grant_key          # (for the pool's worker: Access.pool checked the caller)
+        return out
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Any) -> pb.ListPoolsResponse:
         pools, token = await self.a.list_pools_page(request.page_size, request.page_token)

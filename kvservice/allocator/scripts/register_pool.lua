@@ -12,8 +12,10 @@
 ---   disk_entries (the lower tiers' sizes, lib/tiers; 0: none), disk_kept (the worker's
 ---   disk tier holds what an earlier process stored: its ready entries are kept when the
 ---   geometry and the tier's size are unchanged; else the tier starts empty), role (both,
----   prefill or decode: what the engine runs there)}
---- Returns msgpack {pool, epoch, generation (a new one: lib/generation), registered_ms}; or an error (lib/codec):
+---   prefill or decode: what the engine runs there), grant_key (the new epoch's, hex:
+---   kvservice/common/grants.py; not in the fingerprint)}
+--- Returns msgpack {pool, epoch, generation (a new one: lib/generation), registered_ms,
+---   grant_key}; or an error (lib/codec):
 ---   INVALID_ARGUMENT (a used request_id with other arguments).
 --- @include "lib/time"
 --- @include "lib/request"
@@ -49,7 +51,7 @@ redis.call('HSET', K_META, 'pool_id', p.pool, 'num_blocks', p.num_blocks, 'block
   'num_layers', p.num_layers, 'num_kv_heads', p.num_kv_heads, 'head_dim', p.head_dim,
   'dtype', p.dtype, 'worker_address', p.worker_address, 'registered_ms', now, 'geometry', geometry,
   'host_entries', p.host_entries, 'disk_entries', p.disk_entries, 'role', p.role or 'both',
-  'events', p.events and 1 or 0)
+  'events', p.events and 1 or 0, 'grant_key', p.grant_key)
 EVENTS.on = nil
 EVENTS.add('C', '', {})     -- (the new epoch starts empty; a disk tier kept is stored again)
 if kept then
@@ -61,4 +63,5 @@ redis.call('HDEL', K_META, 'heartbeat_ms', 'drained')
 redis.call('HSET', K_STATE, 'fresh', 0, 'clock', 0)
 local gen = begin_generation(K_META, server_run_id())
 if K_REGISTRY then redis.call('SADD', K_REGISTRY, p.pool) end
-return remember(K_REQUEST, p, reply({pool = p.pool, epoch = epoch, generation = gen, registered_ms = now}))
+return remember(K_REQUEST, p, reply({pool = p.pool, epoch = epoch, generation = gen, registered_ms = now,
+  grant_key = p.grant_key}))

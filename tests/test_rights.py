@@ -1,0 +1,171 @@
+"""Grants (``kvservice/common/grants.py``) and the worker's table of them
+(``worker/rights.py``): what a lease may write and read, as an attacker sees it — a forged
+or altered grant, another pool's, epoch's, generation's or tenant's, a made-up lease, a
+block that changed hands, a dead lease."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvservice import errors
+from kvservice.common.grants import (MAC_BYTES, Grant, new_key, order_mac, order_valid, pack_blocks,
+                                     unpack_blocks)
+from kvservice.v1 import allocator_pb2 as apb
+from worker.rights import BlockRights
+
+KEY = new_key()
+POOL, EPOCH, GEN = "worker-0", 3, 7
+
+
+def grant(lease: str, tenant: str, serial: int, write=(), read=(), key: bytes = KEY, **kw) -> Grant:
+    fields = dict(pool_id=POOL, epoch=EPOCH, generation=GEN, lease_id=lease, tenant=tenant, serial=serial,
+                  write=pack_blocks(write), read=pack_blocks(read))
+    fields.update(kw)
+    return Grant(**fields).signed(key)
+
+
+def table() -> BlockRights:
+    rights = BlockRights(64, POOL)
+    rights.reset(EPOCH, KEY)
+    return rights
+
+
+def admit(rights: BlockRights, *grants, tenant: str | None = "a", generation: int | None = GEN) -> list[int]:
+    return rights.admit(grants, tenant, generation, "WriteKV")
+
+
+def test_blocks_pack_to_uint32_and_back_and_a_mac_sees_every_field_boundary():
+    assert unpack_blocks(pack_blocks([0, 5, 2**32 - 1])).tolist() == [0, 5, 2**32 - 1]
+    for bad in ([-1], [2**32]):
+        with pytest.raises(ValueError):
+            pack_blocks(bad)
+    with pytest.raises(ValueError, match="4-byte"):
+        unpack_blocks(b"abc")
+    a, b = grant("ab", "c", 1), grant("a", "bc", 1)
+    assert len(a.mac) == MAC_BYTES and a.mac != b.mac
+    assert a.valid(KEY) and not a.valid(new_key())
+    assert order_valid(KEY, "move", [1, "x", b"y"], order_mac(KEY, "move", [1, "x", b"y"]))
+    assert not order_valid(KEY, "pull", [1, "x", b"y"], order_mac(KEY, "move", [1, "x", b"y"]))
+    assert not order_valid(KEY, "move", [1, "x", b"y"], b"")
+    # (the proto form carries every field)
+    assert Grant.from_pb(a.to_pb(apb)) == a
+
+
+def test_a_lease_writes_and_reads_what_it_was_granted_and_nothing_else():
+    rights = table()
+    assert admit(rights, grant("A", "a", 1, write=[1, 2, 3], read=[9])) == []
+    rights.check("A", write=[1, 2, 3], read=[1, 9], what="Forward")
+    for lease, write, read in (("A", [4], []), ("A", [9], []), ("A", [], [10]), ("x", [1], []), ("x", [], [1]),
+                               ("", [1], [])):
+        with pytest.raises(errors.PermissionDenied) as info:
+            rights.check(lease, write=write, read=read, what="Forward")
+        assert "Forward:" in str(info.value) and f"pool {POOL}" in str(info.value)
+
+
+def test_forged_altered_and_foreign_grants_are_refused_and_change_nothing():
+    rights = table()
+    admit(rights, grant("A", "a", 1, write=[1]))
+    cases = [
+        (grant("B", "b", 2, write=[1], key=new_key()), "b", errors.PermissionDenied, "not signed"),    # forged
+        (dataclasses.replace(grant("B", "b", 2, write=[2]), write=pack_blocks([1])),               # altered
+         "b", errors.PermissionDenied, "not signed"),
+        (grant("B", "b", 2, write=[1], pool_id="worker-1"), "b", errors.PermissionDenied, "for pool"),
+        (grant("B", "b", 2, write=[1], epoch=EPOCH - 1), "b", errors.FailedPrecondition, "epoch"),
+        (grant("B", "b", 2, write=[1], generation=GEN - 1), "b", errors.RolledBack, "generation"),
+        (grant("A", "a", 2, write=[1, 2]), "b", errors.PermissionDenied, "another tenant"),     # A's, used by b
+    ]
+    for g, caller, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            admit(rights, g, tenant=caller)
+    rights.check("A", write=[1])
+    for lease in ("A", "B"):
+        with pytest.raises(errors.PermissionDenied):
+            rights.check(lease, write=[2])
+    with pytest.raises(errors.PermissionDenied):
+        rights.check("B", read=[1])
+    assert rights.refused == len(cases)
+
+
+def test_a_block_that_changed_hands_is_refused_to_its_old_holder_even_on_a_replayed_grant():
+    rights = table()
+    old = grant("A", "a", 1, write=[5, 6])
+    admit(rights, old)
+    # Block 5 freed by A, then allocated to B (tenant b): B's grant is newer, the block is
+    # zeroed before B's call (it held tenant a's K/V).
+    assert admit(rights, grant("B", "b", 4, write=[5]), tenant="b") == [5]
+    rights.check("B", write=[5], read=[5])
+    for write, read in (([5], []), ([], [5])):
+        with pytest.raises(errors.PermissionDenied) as info:
+            rights.check("A", write=write, read=read)
+        assert "B" not in str(info.value) and "tenant" not in str(info.value).replace("another", "")
+    admit(rights, old)                               # (A sends its old grant again: nothing changes)
+    with pytest.raises(errors.PermissionDenied):
+        rights.check("A", read=[5])
+    rights.check("A", write=[6])
+    rights.check("B", write=[5])
+    # Within a tenant, no zeroing: the block holds the tenant's own K/V.
+    assert admit(rights, grant("A2", "a", 5, write=[6])) == []
+
+
+def test_a_shared_block_is_read_by_its_readers_and_written_only_by_its_writer():
+    rights = table()
+    admit(rights, grant("A", "a", 2, write=[7]))
+    admit(rights, grant("C", "a", 3, read=[7]))      # (a prefix-cache hit of the same tenant)
+    rights.check("C", read=[7])
+    with pytest.raises(errors.PermissionDenied, match="may not write block 7"):
+        rights.check("C", write=[7])
+    admit(rights, grant("D", "a", 1, read=[7]))      # (a read grant older than the writer's: void)
+    with pytest.raises(errors.PermissionDenied):
+        rights.check("D", read=[7])
+    # The block reallocated: its readers under older grants lose it, newer ones keep it.
+    admit(rights, grant("E", "a", 5, read=[7]))
+    admit(rights, grant("F", "a", 4, write=[7]))
+    rights.check("E", read=[7])
+    with pytest.raises(errors.PermissionDenied):
+        rights.check("C", read=[7])
+
+
+def test_dead_leases_a_new_epoch_and_an_unregistered_pool():
+    rights = table()
+    admit(rights, grant("A", "a", 1, write=[1], read=[2]), grant("B", "a", 2, write=[2]))
+    rights.forget(["A", "nobody"])
+    for write, read in (([1], []), ([], [2])):
+        with pytest.raises(errors.PermissionDenied):
+            rights.check("A", write=write, read=read)
+    rights.check("B", write=[2])
+    # A tenant b gets block 1 after A died: it is zeroed (it held tenant a's K/V).
+    assert admit(rights, grant("G", "b", 3, write=[1]), tenant="b") == [1]
+    rights.reset(EPOCH + 1, new_key())
+    with pytest.raises(errors.PermissionDenied):
+        rights.check("B", write=[2])
+    with pytest.raises(errors.FailedPrecondition, match="epoch"):
+        admit(rights, grant("B", "a", 9, write=[2]))
+    unregistered = BlockRights(8, POOL)
+    assert not unregistered.enforced
+    unregistered.check("anyone", write=[1], read=[2])     # (no key yet: nothing to check against)
+    with pytest.raises(errors.InvalidArgument, match="out of range"):
+        admit(table(), grant("A", "a", 1, write=[64]))
+
+
+def test_a_registration_hands_its_epoch_s_grant_key_to_the_pool_s_worker_only(redis_url):
+    from helpers import ServerThread
+
+    from kvservice.v1 import allocator_pb2_grpc as apb_grpc
+
+    geometry = apb.PoolGeometry(num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8,
+                                dtype="float16")
+    with ServerThread(redis_url) as server:
+        channel = server.channel()
+        stub = apb_grpc.AllocatorStub(channel)
+        request = apb.RegisterPoolRequest(pool_id="granted", geometry=geometry, request_id="first")
+        first = stub.RegisterPool(request, timeout=10)
+        retry = stub.RegisterPool(request, timeout=10)           # (the same registration: the same key)
+        assert len(first.grant_key) == 32 and (retry.epoch, retry.grant_key) == (first.epoch, first.grant_key)
+        again = stub.RegisterPool(apb.RegisterPoolRequest(pool_id="granted", geometry=geometry), timeout=10)
+        assert again.epoch == first.epoch + 1 and len(again.grant_key) == 32 and again.grant_key != first.grant_key
+        # Nobody else reads it: the registry's readers see no key.
+        assert stub.DescribePool(apb.DescribePoolRequest(pool_id="granted"), timeout=10).grant_key == b""
+        assert all(p.grant_key == b"" for p in stub.ListPools(apb.ListPoolsRequest(), timeout=10).pools)
+        channel.close()

@@ -1,0 +1,198 @@
+"""Which lease may read and write which block of this worker's pool, as the allocator's
+grants say (``kvservice/common/grants.py``, docs/security.md "Grants").
+
+The table is built from the grants that callers present with their calls; each is
+verified once under the pool's grant key of the current epoch and applied:
+
+- a block a grant lets its lease **write** has that lease as its writer, from that grant's
+  serial on: the readers it had under older grants are dropped (the block changed hands);
+  a grant older than the block's current writer's is ignored for that block;
+- a block a grant lets its lease **read** gets that lease as a reader, unless the grant is
+  older than the block's current writer's.
+
+A call then passes when every block it writes has the calling lease as its writer and
+every block it reads has it as its writer or a reader. A lease that the worker knows dead
+(``LeaseFence``) is forgotten here too; a new epoch (a new key) clears the table.
+
+When a block goes to a lease of another tenant than its last writer's, the worker zeroes
+it before the new writer's call runs (``admit`` returns those blocks): a tenant that
+reads a block it was given before writing it reads zeros, never another tenant's K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from kvservice import errors
+from kvservice.common.grants import Grant, unpack_blocks
+from kvservice.common.settings import echo
+
+
+class BlockRights:
+    """The grants a worker has seen for its pool, per block (see the module).
+
+    Args:
+        num_blocks: the pool's blocks.
+        pool_id: the pool's id (a grant of another pool is refused).
+    """
+
+    def __init__(self, num_blocks: int, pool_id: str) -> None:
+        self.pool_id = pool_id
+        self.num_blocks = num_blocks
+        self.epoch = 0
+        self._key = b""
+        self._writer = np.full(num_blocks, -1, dtype=np.int64)     # a lease's index, -1: none
+        self._since = np.zeros(num_blocks, dtype=np.int64)          # the serial of the writer's grant
+        self._readers: dict[int, dict[int, int]] = {}               # block -> {lease index: serial}
+        self._index: dict[str, int] = {}                            # lease id -> index
+        self._next = 0
+        # The tenant whose K/V a block may hold (its last writer's; -1: none since the
+        # process started). Kept across epochs: the memory is.
+        self._tenants: dict[str, int] = {}
+        self._content = np.full(num_blocks, -1, dtype=np.int64)
+        #: Grants refused (a bad MAC, another pool or epoch, another tenant's).
+        self.refused = 0
+
+    def reset(self, epoch: int, key: bytes) -> None:
+        """A new epoch and its key: every grant seen so far is void."""
+        self.epoch, self._key = epoch, key
+        self._writer.fill(-1)
+        self._since.fill(0)
+        self._readers.clear()
+        self._index.clear()
+
+    @property
+    def enforced(self) -> bool:
+        """Whether calls are checked (the pool is registered and has a grant key)."""
+        return bool(self._key)
+
+    def admit(self, grants: Iterable, caller_tenant: str | None, generation: int | None, what: str) -> list[int]:
+        """Verifies and applies ``grants`` (``Grant`` or its proto); returns the blocks
+        that changed tenant (to be zeroed before the call runs).
+
+        ``caller_tenant``: the authenticated caller's tenant (None: a worker that
+        authenticates nobody). ``generation``: the pool's, as the worker knows it (None:
+        not checked).
+
+        Raises:
+            PermissionDenied: a grant that is not the allocator's (a bad MAC), of another
+                pool, or of another tenant than the caller.
+            FailedPrecondition: a grant of another epoch (EPOCH_CHANGED) or generation
+                (ROLLED_BACK).
+        """
+        zero: list[int] = []
+        for i, g in enumerate(grants):
+            grant = g if isinstance(g, Grant) else Grant.from_pb(g)
+            self._verify(grant, caller_tenant, generation, f"{what}: grants[{i}]")
+            zero.extend(self._apply(grant))
+        return zero
+
+    def _verify(self, g: Grant, caller_tenant: str | None, generation: int | None, what: str) -> None:
+        if g.pool_id != self.pool_id:
+            self.refused += 1
+            raise errors.PermissionDenied(f"{what} is for pool {echo(g.pool_id)}, not this worker's {self.pool_id}")
+        if g.epoch != self.epoch:
+            self.refused += 1
+            raise errors.FailedPrecondition(f"{what} is of epoch {g.epoch}, but pool {self.pool_id} is at epoch "
+                                            f"{self.epoch}", reason="EPOCH_CHANGED")
+        if not g.valid(self._key):
+            self.refused += 1
+            raise errors.PermissionDenied(f"{what}: not signed by the allocator for pool {self.pool_id} at epoch "
+                                          f"{self.epoch} (a grant cannot be made or changed by its holder)")
+        if caller_tenant is not None and g.tenant != caller_tenant:
+            self.refused += 1
+            raise errors.PermissionDenied(f"{what} is another tenant's: a grant is used only by the tenant it "
+                                          f"names")
+        if generation is not None and g.generation != generation:
+            self.refused += 1
+            raise errors.RolledBack(f"{what} is of generation {g.generation}, not the pool's {generation}: "
+                                    f"resynchronise with the allocator first", generation=generation)
+
+    def _lease(self, lease_id: str) -> int:
+        idx = self._index.get(lease_id)
+        if idx is None:
+            idx = self._index[lease_id] = self._next
+            self._next += 1
+        return idx
+
+    def _apply(self, g: Grant) -> list[int]:
+        idx = self._lease(g.lease_id)
+        tenant = self._tenants.setdefault(g.tenant, len(self._tenants))
+        write = self._blocks(unpack_blocks(g.write, "write_blocks"), "write_blocks")
+        read = self._blocks(unpack_blocks(g.read, "read_blocks"), "read_blocks")
+        newer = write[g.serial > self._since[write]]
+        content = self._content[newer]
+        zero = newer[(content >= 0) & (content != tenant)].tolist()
+        if newer.size:
+            self._content[newer] = tenant
+            for b in newer.tolist():
+                readers = self._readers.get(b)
+                if readers:
+                    kept = {r: s for r, s in readers.items() if s > g.serial}
+                    if kept:
+                        self._readers[b] = kept
+                    else:
+                        del self._readers[b]
+            self._writer[newer] = idx
+            self._since[newer] = g.serial
+        for b in read[g.serial > self._since[read]].tolist():
+            self._readers.setdefault(b, {})[idx] = g.serial
+        return zero
+
+    def _blocks(self, blocks: np.ndarray, what: str) -> np.ndarray:
+        if blocks.size and blocks.max() >= self.num_blocks:
+            raise errors.InvalidArgument(f"{what}: block {int(blocks.max())} is out of range "
+                                         f"0..{self.num_blocks - 1}")
+        return blocks
+
+    def check(self, lease_id: str, write: Iterable[int] = (), read: Iterable[int] = (), what: str = "") -> None:
+        """Raises unless ``lease_id`` may write every block of ``write`` and read every
+        block of ``read`` (a block it may write it may read).
+
+        Raises:
+            PermissionDenied: a block the lease was not granted, or was granted and has
+                changed hands since (the first such block is named).
+        """
+        if not self.enforced:
+            return
+        idx = self._index.get(lease_id, -2)
+        w = np.fromiter(write, dtype=np.int64)
+        if w.size:
+            w = w[(w >= 0) & (w < self.num_blocks)]         # (out of range: the pool's own checks say so)
+            bad = w[self._writer[w] != idx]
+            if bad.size:
+                raise errors.PermissionDenied(self._refusal(lease_id, int(bad[0]), "write", what))
+        r = np.fromiter(read, dtype=np.int64)
+        if r.size:
+            r = r[(r >= 0) & (r < self.num_blocks)]
+            for b in np.unique(r[self._writer[r] != idx]).tolist():
+                if idx not in self._readers.get(b, ()):
+                    raise errors.PermissionDenied(self._refusal(lease_id, b, "read", what))
+
+    def _refusal(self, lease_id: str, block: int, right: str, what: str) -> str:
+        lease = f"lease {echo(lease_id)}" if lease_id else "a call that names no lease"
+        return (f"{what}: {lease} may not {right} block {block} of pool {self.pool_id}: no grant of the allocator "
+                f"gives it that block (it was never granted to the lease, or has been granted to another since); "
+                f"send the grants the allocator returned with the blocks")
+
+    def forget(self, lease_ids: Iterable[str]) -> None:
+        """Drops dead leases (their blocks go to others with newer grants)."""
+        gone = {self._index.pop(lease, -1) for lease in lease_ids} - {-1}
+        if not gone:
+            return
+        self._writer[np.isin(self._writer, list(gone))] = -1
+        for b in list(self._readers):
+            readers = self._readers[b]
+            for idx in gone & readers.keys():
+                del readers[idx]
+            if not readers:
+                del self._readers[b]
+
+    def holders(self) -> int:
+        """Leases the table knows."""
+        return len(self._index)
+
+
+__all__ = ["BlockRights"]
