@@ -137,6 +137,11 @@ def test_dead_leases_a_new_epoch_and_an_unregistered_pool():
     rights.check("B", write=[2])
     # A tenant b gets block 1 after A died: it is zeroed (it held tenant a's K/V).
     assert admit(rights, grant("G", "b", 3, write=[1]), tenant="b") == [1]
+    rights.clear()                                   # (a new generation: every holder is granted again)
+    with pytest.raises(errors.PermissionDenied):
+        rights.check("B", write=[2])
+    admit(rights, grant("B", "a", 4, write=[2]))
+    rights.check("B", write=[2])
     rights.reset(EPOCH + 1, new_key())
     with pytest.raises(errors.PermissionDenied):
         rights.check("B", write=[2])
@@ -169,3 +174,84 @@ def test_a_registration_hands_its_epoch_s_grant_key_to_the_pool_s_worker_only(re
         assert stub.DescribePool(apb.DescribePoolRequest(pool_id="granted"), timeout=10).grant_key == b""
         assert all(p.grant_key == b"" for p in stub.ListPools(apb.ListPoolsRequest(), timeout=10).pools)
         channel.close()
+
+
+def test_a_step_s_grants_name_what_it_gave_the_lease_and_a_worker_s_table_follows_them(redis_url):
+    """Through the allocator's gRPC API: creates, a cache hit by another lease of the
+    tenant, growth and a fork each come back with the pool's signed grant of exactly the
+    blocks the lease got (to write what it allocated, to read what it shares); a worker's
+    table fed with them lets each lease write its own blocks and only read shared ones."""
+    from helpers import ServerThread
+
+    from kvservice.v1 import allocator_pb2_grpc as apb_grpc
+
+    geometry = apb.PoolGeometry(num_blocks=64, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8,
+                                dtype="float16")
+    with ServerThread(redis_url) as server:
+        channel = server.channel()
+        stub = apb_grpc.AllocatorStub(channel)
+        pool = stub.RegisterPool(apb.RegisterPoolRequest(pool_id="stepped", geometry=geometry), timeout=10)
+        key = pool.grant_key
+        leases = [stub.GrantLease(apb.GrantLeaseRequest(tenant=t, ttl_seconds=60), timeout=10).lease_id
+                  for t in ("team-a", "team-a", "team-b")]
+        prompt = list(range(1, 15))               # (14 tokens: 3 full blocks and 2 tokens)
+
+        def create(lease: str) -> tuple[apb.Sequence, Grant]:
+            reply = stub.Step(apb.StepRequest(lease_id=lease, creates=[apb.CreateOp(token_ids=prompt,
+                                                                                   pool_id="stepped")]), timeout=10)
+            (g,) = reply.grants
+            return reply.created[0], Grant.from_pb(g)
+
+        first, g1 = create(leases[0])
+        assert g1.valid(key) and (g1.pool_id, g1.epoch, g1.lease_id, g1.tenant) == ("stepped", pool.epoch, leases[0],
+                                                                                      "team-a")
+        assert g1.generation == pool.generation and g1.serial > 0
+        assert unpack_blocks(g1.write).tolist() == list(first.block_table) and g1.read == b""
+        second, g2 = create(leases[1])          # (a hit of the same tenant: 3 blocks shared)
+        assert second.num_cached_tokens == 12 and g2.serial > g1.serial
+        assert unpack_blocks(g2.read).tolist() == list(second.block_table[:3]) == list(first.block_table[:3])
+        assert unpack_blocks(g2.write).tolist() == list(second.block_table[3:])
+        third, g3 = create(leases[2])           # (another tenant: nothing shared)
+        assert g3.read == b"" and not set(third.block_table) & set(first.block_table)
+        grown = stub.Step(apb.StepRequest(lease_id=leases[0], updates=[apb.SeqUpdate(
+            sequence_id=first.sequence_id, num_tokens=14, grow_to=30)]), timeout=10)
+        (g4,) = [Grant.from_pb(g) for g in grown.grants]
+        assert unpack_blocks(g4.write).tolist() == list(grown.updates[0].new_blocks) and len(grown.updates[0].new_blocks) == 4
+        # A fork that shares nothing new gets no grant; one that grows into the shared partial
+        # block gets its copy and its new block.
+        assert not stub.ForkSequence(apb.ForkSequenceRequest(lease_id=leases[1], sequence_id=second.sequence_id),
+                                     timeout=10).HasField("grant")
+        step = stub.Step(apb.StepRequest(lease_id=leases[1], updates=[apb.SeqUpdate(
+            sequence_id=second.sequence_id, num_tokens=14, fork_grow_to=[18])]), timeout=10)
+        forked = step.updates[0].children[0]
+        (g5,) = [Grant.from_pb(g) for g in step.grants]
+        assert g5.valid(key) and forked.cow.dst and len(forked.block_table) == 5
+        assert sorted(unpack_blocks(g5.write).tolist()) == sorted([forked.cow.dst, forked.block_table[4]])
+        # A reserve (the local mode's blocks): granted to write with it.
+        synced = stub.Sync(apb.SyncRequest(lease_id=leases[0], pools=[apb.PoolSync(
+            pool_id="stepped", epoch=pool.epoch, want_blocks=3, generation=pool.generation)]), timeout=10)
+        (reserve,) = synced.pools
+        assert len(reserve.granted_blocks) == 3 and Grant.from_pb(reserve.grant).valid(key)
+        assert unpack_blocks(reserve.grant.write_blocks).tolist() == list(reserve.granted_blocks)
+        assert reserve.grant.serial > g5.serial and reserve.grant.lease_id == leases[0]
+        nothing = stub.Sync(apb.SyncRequest(lease_id=leases[0], pools=[apb.PoolSync(
+            pool_id="stepped", epoch=pool.epoch, want_blocks=3, generation=pool.generation)]), timeout=10)
+        assert not nothing.pools[0].granted_blocks and not nothing.pools[0].HasField("grant")
+        made = stub.CreateSequence(apb.CreateSequenceRequest(lease_id=leases[2], token_ids=[7] * 9,
+                                                             pool_id="stepped"), timeout=10)
+        assert Grant.from_pb(made.grant).valid(key) and unpack_blocks(made.grant.write_blocks).tolist() == \
+            list(made.block_table)
+        channel.close()
+
+    rights = BlockRights(64, "stepped")
+    rights.reset(pool.epoch, key)
+    for g in (g1, g2, g3, g4, g5):
+        rights.admit([g], g.tenant, pool.generation, "Forward")
+    rights.check(leases[0], write=list(first.block_table) + list(grown.updates[0].new_blocks))
+    rights.check(leases[1], write=list(second.block_table[3:]) + [forked.cow.dst], read=list(second.block_table))
+    for lease, blocks in ((leases[1], first.block_table[:3]), (leases[2], first.block_table[:1]),
+                          (leases[0], third.block_table[:1])):
+        with pytest.raises(errors.PermissionDenied):
+            rights.check(lease, write=list(blocks))
+    with pytest.raises(errors.PermissionDenied):
+        rights.check(leases[2], read=list(first.block_table[:1]))

@@ -58,6 +58,11 @@ class BlockRights:
     def reset(self, epoch: int, key: bytes) -> None:
         """A new epoch and its key: every grant seen so far is void."""
         self.epoch, self._key = epoch, key
+        self.clear()
+
+    def clear(self) -> None:
+        """Voids every grant seen so far (a new generation: the pool's state may have
+        rolled back, and its holders get new grants as they resynchronise)."""
         self._writer.fill(-1)
         self._since.fill(0)
         self._readers.clear()

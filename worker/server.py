@@ -298,6 +298,8 @@ class Registrar:
                             "clients that have not resynchronised are refused", self.pool_id, reply.generation,
                             self.fence.generation)
                 self.fence.generation = reply.generation
+                if self.fence.rights is not None:
+                    self.fence.rights.clear()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 log.warning("the allocator does not know pool %s (its state was reset): registering again",

@@ -51,6 +51,8 @@ class Allocator(StepOps, ReserveOps, TierOps):
         self.store = store
         self.settings = settings or Settings()
         self._geometry: dict[str, tuple[int, Geometry]] = {}
+        #: Each pool's grant key and its epoch (``grant_key``).
+        self._grant_keys: dict[str, tuple[int, bytes]] = {}
         self.reap_schedule = ReapSchedule(self.settings.reap_recheck)
         self._roles: dict[str, str] = {}            # pool -> role (RegisterPoolRequest.role)
         self._leases: dict[str, tuple[str, set[str]]] = {}   # lease -> (tenant, attached pools)
@@ -102,6 +104,14 @@ class Allocator(StepOps, ReserveOps, TierOps):
                  geometry.num_blocks, geometry.block_size)
         return PoolInfo(pool_id, int(reply["epoch"]), geometry, worker_address, int(reply["registered_ms"]),
                         generation=int(reply["generation"]), role=role, grant_key=bytes.fromhex(reply["grant_key"]))
+
+    async def grant_key(self, pool_id: str, epoch: int) -> bytes:
+        """The key of the grants of ``pool_id`` at ``epoch`` (read once per epoch; b"":
+        the pool is at another epoch now, and a grant of ``epoch`` is void anyway)."""
+        known = self._grant_keys.get(pool_id)
+        if known is None or known[0] != epoch:
+            known = self._grant_keys[pool_id] = await self.store.grant_key(pool_id)
+        return known[1] if known[0] == epoch else b""
 
     async def list_pools(self) -> list[PoolInfo]:
         """Every pool (read a page of ``FAN_OUT`` at a time)."""

@@ -118,6 +118,8 @@ class StepOutcome:
     #: lower-tier orders (pool, epoch, src_tier, src, dst_tier, dst, block hash): TierOrder;
     #: a fetch adds (source pool, source epoch, pin id)
     tier_orders: list[tuple] = field(default_factory=list)
+    #: per pool whose part gave the lease blocks: the signed grant of them (``grants.Grant``)
+    grants: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,8 @@ class ReserveGrant:
     rolled_back: bool = False
     #: copies down a tier of the blocks the refill evicted (StepOutcome.tier_orders)
     tier_orders: tuple[tuple[str, int, int, int, int, int, bytes], ...] = ()
+    #: the signed grant of ``granted_blocks`` (``grants.Grant``; None: none granted)
+    grant: Any = None
 
 
 def tier_orders_of(pool_id: str, epoch: int, reply: dict) -> list[tuple[str, int, int, int, int, int, bytes]]:

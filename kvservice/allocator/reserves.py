@@ -10,6 +10,7 @@ import secrets
 from typing import Any
 
 from kvservice import errors
+from kvservice.common.grants import Grant, pack_blocks
 from kvservice.allocator.checks import MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint, lease_info
 from kvservice.allocator.codec import ScriptError
 from kvservice.allocator.domain import LeaseInfo, ReserveGrant, ReserveRequest, tier_orders_of
@@ -172,10 +173,15 @@ class ReserveOps:
             granted += last["granted"]
             orders += tier_orders_of(r.pool_id, last["epoch"], last)
         quota = last["quota"] or reply["quota"]
+        grant = None
+        if granted:     # (the last call's serial: the lease holds every block granted by then)
+            epoch = int(last["epoch"])
+            grant = Grant(r.pool_id, epoch, int(last["generation"]), lease_id, tenant, int(last["serial"]),
+                          pack_blocks(granted)).signed(await self.grant_key(r.pool_id, epoch))
         return ReserveGrant(r.pool_id, last["epoch"], granted, last["num_reserved"], last["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"],
                             quota=quota, quota_limit=last["quota_limit"] if last["quota"] else reply["quota_limit"],
-                            generation=int(last["generation"]), tier_orders=tuple(orders))
+                            generation=int(last["generation"]), tier_orders=tuple(orders), grant=grant)
 
     async def _resync_parts(self, lease_id: str, pool_id: str, payload: dict[str, Any],
                             claims: list[dict[str, Any]]) -> dict[str, Any]:

@@ -365,7 +365,9 @@ class RunOps:
             out_updates[i]["children"] = [_record(k) for k in kids]
         out = {"epoch": epoch, "updates": out_updates, "created": [_record(c) for c in created], "copies": copies,
                "tier_orders": list(last.get("tier_orders") or []) if last is not None else [],
-               "generation": last["generation"] if last is not None else await self.store.generation(pool_id)}
+               "generation": last["generation"] if last is not None else await self.store.generation(pool_id),
+               # (read after its last part: the lease holds every block of the step now)
+               "serial": await self.store.version(pool_id)}
         if request_id:
             await self.store.remember(pool_id, request_id, digest, out, self._request_ttl_ms())
         return out
@@ -488,4 +490,6 @@ def _record(rec: dict[str, Any]) -> dict[str, Any]:
            "last_hash": rec["last_hash"], "block_table": rec["block_table"]}
     if rec.get("cow"):
         out["cow"] = rec["cow"]
+    if rec.get("shared") is not None:
+        out["shared"] = rec["shared"]
     return out

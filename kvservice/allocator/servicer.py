@@ -59,7 +59,8 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
                           num_sequence_numbers=g.num_sequence_numbers, lost_sequences=g.lost_sequences,
                           reserve_blocks=g.reserve_blocks, resynced=g.resynced, quota=g.quota,
                           quota_limit=g.quota_limit, generation=g.generation, rolled_back=g.rolled_back,
-                          tier_orders=[tier_order_to_pb(o) for o in g.tier_orders])
+                          tier_orders=[tier_order_to_pb(o) for o in g.tier_orders],
+                          grant=g.grant.to_pb(pb) if g.grant is not None else None)
 
 
 def tier_order_to_pb(o: tuple) -> pb.TierOrder:
@@ -108,6 +109,7 @@ def outcome_to_pb(o: StepOutcome) -> pb.StepResponse:
     out.failed_pools.extend(o.failed_pools)
     out.generations.update(o.generations)
     out.tier_orders.extend(tier_order_to_pb(x) for x in o.tier_orders)
+    out.grants.extend(g.to_pb(pb) for g in o.grants.values())
     return out
 
 
@@ -175,6 +177,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         out = await self.a.step(request.lease_id, [], [create], request.request_id)
         seq = seq_to_pb(out.created[0])
         seq.generation = out.generations.get(seq.pool_id, 0)
+        if seq.pool_id in out.grants:
+            seq.grant.CopyFrom(out.grants[seq.pool_id].to_pb(pb))
         return seq
 
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
@@ -203,6 +207,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         out = await self.a.step(request.lease_id, [update], [], request.request_id)
         seq = seq_to_pb(out.updates[0].children[0])
         seq.generation = out.generations.get(seq.pool_id, 0)
+        if seq.pool_id in out.grants:
+            seq.grant.CopyFrom(out.grants[seq.pool_id].to_pb(pb))
         return seq
 
     async def FreeSequences(self, request: pb.FreeSequencesRequest, context: Any) -> pb.FreeSequencesResponse:

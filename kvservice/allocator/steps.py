@@ -22,6 +22,7 @@ from kvservice.allocator.runs import Probe, RunOps
 from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id, tier_orders_of)
 from kvservice.common import hashing
+from kvservice.common.grants import Grant, pack_blocks
 from kvservice.common.auth import caller
 from kvservice.common.geometry import Geometry
 
@@ -211,6 +212,9 @@ class StepOps(RunOps):
                 first_error = first_error or reply
                 continue
             self._collect(pool_id, by_pool[pool_id], lease_id, reply, outcome)
+            grant = step_grant(pool_id, lease_id, tenant, self._geometry[pool_id][1].block_size, reply)
+            if grant is not None:
+                outcome.grants[pool_id] = grant.signed(await self.grant_key(pool_id, grant.epoch))
         if first_error is not None:
             if not creates and isinstance(first_error, (errors.NotFound, errors.PermissionDenied)):
                 # Updates alone never look the lease up (a pool knows the leases of its
@@ -605,6 +609,34 @@ class StepOps(RunOps):
         if self._secret is None:
             return scope
         return "hmac:" + hmac.new(self._secret, scope.encode(), hashlib.sha256).hexdigest()
+
+
+def step_grant(pool_id: str, lease_id: str, tenant: str, block_size: int, reply: dict[str, Any]) -> Grant | None:
+    """The grant (unsigned) of what a step's reply in one pool gave the lease: to write,
+    the blocks appended, copied on write, created for it (loaded and fetched ones too); to
+    read, the cached blocks its creates share. None when it gave nothing."""
+    write: list[int] = []
+    read: list[int] = []
+    for d in reply["updates"]:
+        write.extend(d.get("new_blocks") or ())
+        if d.get("cow"):
+            write.append(d["cow"][1])
+        for child in d.get("children") or ():     # (its parent's blocks are the lease's already)
+            write.extend(child["block_table"][int(child.get("shared") or 0):])
+            if child.get("cow"):
+                write.append(child["cow"][1])
+    filled = {int(o[3]) for o in reply.get("tier_orders") or () if int(o[2]) == 0}
+    filled.update(int(f[2]) for f in reply.get("fetches") or ())
+    for rec in reply["created"]:
+        table = list(rec["block_table"])
+        shared = int(rec["num_cached_tokens"]) // block_size
+        for b in table[:shared]:
+            (write if b in filled else read).append(b)
+        write.extend(table[shared:])
+    if not write and not read:
+        return None
+    return Grant(pool_id, int(reply["epoch"]), int(reply["generation"]), lease_id, tenant, int(reply["serial"]),
+                 pack_blocks(write), pack_blocks(read))
 
 
 def _same_kv(a: Geometry, b: Geometry) -> bool:

@@ -534,6 +534,17 @@ class Store:
         raw = await self.redis.hget(keys.pool_key(pool_id, "meta"), "generation")
         return int(raw) if raw else 0
 
+    async def version(self, pool_id: str) -> int:
+        """The pool's change counter (``state.version``): the serial of grants of what a
+        caller holds now (``kvservice/common/grants.py``)."""
+        raw = await self.redis.hget(keys.pool_key(pool_id, "state"), "version")
+        return int(raw) if raw else 0
+
+    async def grant_key(self, pool_id: str) -> tuple[int, bytes]:
+        """The pool's epoch and that epoch's grant key (b"": none, an unregistered pool)."""
+        epoch, key = await self.redis.hmget(keys.pool_key(pool_id, "meta"), ["epoch", "grant_key"])
+        return int(epoch or 0), bytes.fromhex(key.decode()) if key else b""
+
     async def pool_meta(self, pool_id: str) -> dict[str, str] | None:
         raw = await self.redis.hgetall(keys.pool_key(pool_id, "meta"))
         if not raw or b"epoch" not in raw or b"num_blocks" not in raw:

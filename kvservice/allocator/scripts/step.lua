@@ -32,9 +32,11 @@
 ---   [[src_tier, src, dst_tier, dst, hash hex]] (lib/tiers: the evictions' copies down a
 ---   tier, then the creates' loads from one, in the order the worker runs them), fetches =
 ---   [[create index, position in its chain, device block]] (the blocks the caller fills
----   from the other pool's pinned ones)}, where record =
+---   from the other pool's pinned ones), serial (the pool's change counter after the step:
+---   the serial of the step's grants)}, where record =
 ---   {sequence, num_tokens, num_committed_blocks, num_cached_tokens, last_hash,
----   block_table, cow = [src, dst] (a child's)}; or an error (lib/codec): NOT_FOUND,
+---   block_table, cow = [src, dst] (a child's), shared (a child's: how many blocks of its
+---   table are its parent's)}; or an error (lib/codec): NOT_FOUND,
 ---   INVALID_ARGUMENT, FAILED_PRECONDITION (reasons EPOCH_CHANGED, LEASE_EXPIRED,
 ---   RESYNC_IN_PROGRESS, ROLLED_BACK {generation}), PERMISSION_DENIED, RESOURCE_EXHAUSTED
 ---   {needed, available} (and {reason QUOTA_EXCEEDED, quota, limit} past a quota), and the
@@ -340,7 +342,7 @@ local function fork_sequences(recs, bs)
       kids[i] = {}
       for _, g in ipairs(u.fork_grow_to) do
         local child = {l = rec.l, t = rec.t, c = rec.c, h = rec.h, k = rec.k, st = '', pages = rec.pages, nb = rec.nb,
-                       add = {}, lastb = rec.lastb, new = true}
+                       add = {}, lastb = rec.lastb, new = true, shared = #rec.blocks}
         for _, b in ipairs(rec.blocks) do refs[b] = refs[b] + 1 end
         if g > 0 and g < rec.t then
           bad('INVALID_ARGUMENT', 'sequence ' .. sid_of(u) .. ': fork_grow_to ' .. g .. ' is below num_tokens ' .. rec.t)
@@ -531,7 +533,7 @@ local function store_new(rec)
   rec_page_writes(rec, map, put_tab)
   lseq_add[#lseq_add + 1] = 0; lseq_add[#lseq_add + 1] = lease .. ':' .. field
   return {sequence = next_n, num_tokens = rec.t, num_committed_blocks = rec.c, num_cached_tokens = rec.k,
-          last_hash = rec.h, block_table = rec_table(rec, map), cow = resolved(rec.cow)}
+          last_hash = rec.h, block_table = rec_table(rec, map), cow = resolved(rec.cow), shared = rec.shared}
 end
 
 local out_updates = {}
@@ -575,8 +577,8 @@ local out_fetches = {}
 for _, f in ipairs(fetches) do out_fetches[#out_fetches + 1] = {f[1], f[2], map[f[3]]} end
 stats.sequences_created = nkids + nmade
 stats.sequences_freed = nfreed
-changed()
+local serial = changed()
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, generation = gen, updates = out_updates,
                                     created = out_made, copies = out_copies, tier_orders = out_orders,
-                                    fetches = out_fetches}))
+                                    fetches = out_fetches, serial = serial}))

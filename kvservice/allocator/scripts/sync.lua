@@ -50,7 +50,8 @@
 ---   the lease returns any surplus), first_sequence_number, num_sequence_numbers, quota (''
 ---   or the quota, 'blocks' or 'sequences', that kept the grant below what the step needs
 ---   now), quota_limit, tier_orders (lib/tiers: the copies down a tier of the blocks the
----   refill evicted, to run before those blocks are written)};
+---   refill evicted, to run before those blocks are written), serial (the pool's change
+---   counter: the serial of the grant of the blocks granted)};
 ---   or an error (lib/codec): NOT_FOUND, INVALID_ARGUMENT (an entry or a returned block
 ---   that does not fit the state: nothing applied), FAILED_PRECONDITION (reasons
 ---   EPOCH_CHANGED, LEASE_EXPIRED, RESYNC_IN_PROGRESS, ROLLED_BACK {generation}: nothing
@@ -575,10 +576,15 @@ if p.want_sequence_numbers > 0 then
 end
 held_write(held, held_blocks + #granted, held_seqs + num_seqs)
 if plan.attach then extend_lease(lease, p.lease_left_ms, now_ms()) end
-if plan.done > 0 or #p.returned > 0 or #granted > 0 or num_seqs > 0 or plan.attach then changed() end
+local serial
+if plan.done > 0 or #p.returned > 0 or #granted > 0 or num_seqs > 0 or plan.attach then
+  serial = changed()
+else
+  serial = tonumber(redis.call('HGET', K_STATE, 'version')) or 0
+end
 incr_stats(stats)
 return remember(K_REQUEST, p, reply({epoch = plan.epoch, generation = gen, applied = plan.applied, granted = granted,
                                     num_reserved = plan.kept + #granted, cap = cap,
                                     first_sequence_number = first_seq, num_sequence_numbers = num_seqs,
                                     quota = quota_cut, quota_limit = quota_limit,
-                                    tier_orders = TIER.orders}))
+                                    tier_orders = TIER.orders, serial = serial}))

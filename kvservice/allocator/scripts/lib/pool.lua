@@ -92,9 +92,11 @@ local function available_now(num_blocks)
 end
 
 -- Every script that changes the pool's state raises its change counter, so that a reader
--- in pieces (the audit's snapshot) can tell whether it read one state.
+-- in pieces (the audit's snapshot) can tell whether it read one state. Its new value is the
+-- serial of the grants of what the script gave (kvservice/common/grants.py): of two grants
+-- of one block, the later one's is larger.
 local function changed()
-  redis.call('HINCRBY', K_STATE, 'version', 1)
+  return redis.call('HINCRBY', K_STATE, 'version', 1)
 end
 
 -- KV events (DESIGN §15, docs/integrations.md): the pool's cache changes appended to its
