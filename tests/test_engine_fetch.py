@@ -25,7 +25,9 @@ DOCUMENTS = [" ".join(f"Rule {k} of branch {b}: a member may borrow {k % 7 + 1} 
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
+# (session scope: loaded once by each test process that needs it, a few seconds, so that
+# the tests that need nothing else of the module run in any process: tests/scheduling.py)
+@pytest.fixture(scope="session")
 def reference(smollm2_cache):
     return weights.load(NAME)
 

@@ -19,7 +19,9 @@ from worker import weights
 
 pytestmark = pytest.mark.e2e
 
-@pytest.fixture(scope="module")
+# (session scope: loaded once by each test process that needs it, a few seconds, so that
+# the tests that need nothing else of the module run in any process: tests/scheduling.py)
+@pytest.fixture(scope="session")
 def reference(smollm2_cache):
     return weights.load(NAME)
 
