@@ -48,6 +48,10 @@ from kvservice.sequence import CopyPair, Sequence, StepResult, freed_error
 from kvservice.v1 import allocator_pb2 as pb
 from kvservice.v1 import allocator_pb2_grpc as pb_grpc
 
+#: Grants kept per pool for ``take_grants`` at most (a client that sends none to a worker
+#: keeps only the latest).
+MAX_PENDING_GRANTS = 65_536
+
 _log = logging.getLogger("kvservice.client")
 
 __all__ = ["Client", "CopyPair", "Sequence", "StepResult", "to_domain_error"]
@@ -126,6 +130,9 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         #: orders (TierOrder.source_pool_id) come with the tier orders, for ``FetchBlocks``.
         self.collect_fetches = False
         self._tier_orders: list[pb.TierOrder] = []
+        #: The allocator's grants of the blocks this client's steps and Syncs got, per pool,
+        #: not yet taken for a worker call (``take_grants``).
+        self._grants: dict[str, list[pb.Grant]] = {}
         self._lock = threading.RLock()
         self._sync_lock = threading.Lock()
         self._wake = threading.Event()
@@ -361,6 +368,8 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         client's own record of its live sequences (for a resync) follows."""
         remote = not self.local
         self._heard(response.generations.items())
+        if response.grants:
+            self._add_grants(response.grants)
         if response.tier_orders:
             self._add_tier_orders(response.tier_orders)
         for s, d in zip(order, response.updates):
@@ -460,6 +469,8 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         else:
             copy._hashes = list(hashes)
             self._live.add(copy)
+        if state.HasField("grant"):
+            self._add_grants([state.grant])
         self._add_tier_orders(reply.fetches)
         self._moved(seq)
         return copy
@@ -521,6 +532,34 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
             pool_id=pool_id, geometry=geometry, worker_address=worker_address, request_id=new_request_id(),
             host_tier_blocks=host_tier_blocks, disk_tier_blocks=disk_tier_blocks, disk_tier_kept=disk_tier_kept,
             role=role))
+
+    # ------------------------------------------------------------ grants
+    def _add_grants(self, grants) -> None:
+        with self._lock:
+            for g in grants:
+                kept = self._grants.setdefault(g.pool_id, [])
+                kept.append(g)
+                if len(kept) > MAX_PENDING_GRANTS:      # (a client that never takes them: the oldest go)
+                    del kept[:len(kept) - MAX_PENDING_GRANTS]
+
+    def take_grants(self, pool_id: str, epoch: int) -> list[pb.Grant]:
+        """The allocator's grants of the blocks this client got in ``pool_id`` at ``epoch``
+        since the last call (``kvservice.v1.Grant``: signed for that pool's worker, which
+        checks the blocks of each call against the grants it has seen): send them with the
+        next call to the pool's worker, and ``requeue_grants`` them if that call fails.
+        Grants of another epoch, or of another generation than the pool's as last heard,
+        are void and dropped."""
+        with self._lock:
+            grants = self._grants.pop(pool_id, [])
+            generation = self._generations.get(pool_id, 0)
+        return [g for g in grants if g.epoch == epoch and (not generation or g.generation == generation)]
+
+    def requeue_grants(self, grants: list[pb.Grant]) -> None:
+        """Grants taken for a call that failed: they go with the next one (a worker that
+        had admitted them already admits them again at no cost)."""
+        with self._lock:
+            for g in grants:
+                self._grants.setdefault(g.pool_id, []).insert(0, g)
 
     # ------------------------------------------------------------ lower tiers (DESIGN §12)
     def _add_tier_orders(self, orders) -> None:

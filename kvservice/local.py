@@ -547,6 +547,8 @@ class LocalSteps:
         self._unanswered = None
         with self._lock:
             for pj, ack in zip(journals, reply.pools):
+                if ack.HasField("grant"):
+                    self._add_grants([ack.grant])
                 if ack.tier_orders:    # (before the refill's blocks can be handed out)
                     self._add_tier_orders(ack.tier_orders)
                 if ack.resynced:

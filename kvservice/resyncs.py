@@ -105,6 +105,8 @@ class Resyncs:
                 continue        # (another generation began during the resync: again)
             self._mark_lost(pool_id, set(ack.lost_sequences))
             self._generations[pool_id] = ack.generation
+            if ack.HasField("grant"):
+                self._add_grants([ack.grant])    # (what the lease kept, in the new generation)
             self.resync_count += 1
             return
         raise errors.Unavailable(f"pool {pool_id}: the resync did not complete")

@@ -74,7 +74,7 @@ def test_forged_altered_and_foreign_grants_are_refused_and_change_nothing():
         (grant("B", "b", 2, write=[1], pool_id="worker-1"), "b", errors.PermissionDenied, "for pool"),
         (grant("B", "b", 2, write=[1], epoch=EPOCH - 1), "b", errors.FailedPrecondition, "epoch"),
         (grant("B", "b", 2, write=[1], generation=GEN - 1), "b", errors.RolledBack, "generation"),
-        (grant("A", "a", 2, write=[1, 2]), "b", errors.PermissionDenied, "another tenant"),     # A's, used by b
+        (grant("A", "a", 2, write=[1, 2]), "b", errors.PermissionDenied, "only by the tenant"),  # (A's, used by b)
     ]
     for g, caller, exc, words in cases:
         with pytest.raises(exc, match=words):

@@ -137,6 +137,12 @@ class WorkerMetrics:
             f.add_metric([self.pool_id, "in"], float(store.written_blocks))
             f.add_metric([self.pool_id, "out"], float(store.read_blocks))
             yield f
+        rights = self.fence.rights if self.fence is not None else None
+        if rights is not None:
+            f = family("worker_grants_total")
+            f.add_metric([self.pool_id, "refused"], float(rights.refused))
+            f.add_metric([self.pool_id, "uncovered"], float(rights.unchecked))
+            yield f
         f = family("worker_refused_writes_total")
         for reason, n in sorted((self.fence.refused if self.fence is not None else {}).items()):
             f.add_metric([self.pool_id, reason], float(n))

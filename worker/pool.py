@@ -181,6 +181,14 @@ class KVPool:
             self.backend.copy_blocks(self.k_caches, self.v_caches, mapping)
         return len(pairs)
 
+    def zero(self, blocks: list[int]) -> None:
+        """Zeroes blocks (every layer's K and V): a block given to another tenant than its
+        last writer's holds nothing of that tenant's (``worker/rights.py``)."""
+        if blocks:
+            index = torch.tensor(blocks, dtype=torch.long, device=self.k_caches.device)
+            self.k_caches.index_fill_(1, index, 0)
+            self.v_caches.index_fill_(1, index, 0)
+
     def check_copies(self, pairs: list[tuple[int, int]], field: str = "pairs") -> None:
         """Raises InvalidArgument (naming ``field[i]``), changing nothing, unless every
         ``(src, dst)`` pair is in range, no destination is used twice and no destination

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvservice import errors
+from kvservice.common.auth import caller
 from kvservice.v1 import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.fence import LeaseFence
@@ -59,6 +60,23 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 f"request for epoch {epoch}, but pool {self.pool_id} is at epoch {current} "
                 f"(the worker restarted or re-registered; its sequences are gone)", reason="EPOCH_CHANGED")
 
+    def _admit(self, grants, lease_id: str, what: str, write=(), read=()) -> list[int]:
+        """Admits the call's grants into the pool's table and checks the call's blocks
+        against it (``worker/rights.py``); returns the blocks to zero before the call runs
+        (given to another tenant than their last writer's)."""
+        rights = self.fence.rights
+        if rights is None:
+            return []
+        ident = caller()
+        tenant = ident.name if ident is not None and ident.role == "tenant" else None
+        zero = rights.admit(grants, tenant, self.fence.generation, what) if grants else []
+        rights.check(lease_id, write, read, what)
+        return zero
+
+    def _slot_blocks(self, slots) -> set[int]:
+        bs = self.pool.shape.block_size
+        return {s // bs for s in slots if s >= 0}
+
     def _tensor(self, t: pb.Tensor, name: str):
         return tensors.decode(t, name, self.pool.shape.dtype, self.pool.device)
 
@@ -87,17 +105,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._check_epoch(request.epoch)
         self.fence.check(request.lease_id, "WriteKV")
         await self.fence.check_generation(request.generation, "WriteKV")
+        self.pool.zero(self._admit(request.grants, request.lease_id, "WriteKV",
+                                   write=self._slot_blocks(request.slot_mapping)))
         n = self.pool.write(request.layer, list(request.slot_mapping), self._tensor(request.key, "key"),
                             self._tensor(request.value, "value"))
         return pb.WriteKVResponse(num_written=n)
 
     async def ReadKV(self, request: pb.ReadKVRequest, context: Any) -> pb.ReadKVResponse:
         self._check_epoch(request.epoch)
+        self.pool.zero(self._admit(request.grants, request.lease_id, "ReadKV", read=self._slot_blocks(request.slots)))
         k, v = self.pool.read(request.layer, list(request.slots))
         return pb.ReadKVResponse(key=tensors.encode(k), value=tensors.encode(v))
 
     async def Attention(self, request: pb.AttentionRequest, context: Any) -> pb.AttentionResponse:
         self._check_epoch(request.epoch)
+        self.pool.zero(self._admit(request.grants, request.lease_id, "Attention",
+                                   read=[b for t in request.block_tables for b in t.block_ids]))
         out = self.pool.attention(request.layer, self._tensor(request.query, "query"),
                                   [list(t.block_ids) for t in request.block_tables], list(request.context_lens),
                                   list(request.query_lens), request.scale, request.num_splits)
@@ -107,6 +130,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._check_epoch(request.epoch)
         self.fence.check(request.lease_id, "CopyBlocks")
         await self.fence.check_generation(request.generation, "CopyBlocks")
+        self.pool.zero(self._admit(request.grants, request.lease_id, "CopyBlocks",
+                                   write=[p.dst for p in request.pairs], read=[p.src for p in request.pairs]))
         return pb.CopyBlocksResponse(num_copied=self.pool.copy([(p.src, p.dst) for p in request.pairs]))
 
     async def MoveBlocks(self, request: pb.MoveBlocksRequest, context: Any) -> pb.MoveBlocksResponse:
@@ -123,7 +148,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 raise errors.InvalidArgument(f"moves[{i}].block_hash has {len(m.block_hash)} bytes, at most 16")
         if self.tiers is None:
             raise errors.FailedPrecondition("this worker has no lower tier (start it with --host-tier-gb)")
-        done = self.tiers.run([(m.src_tier, m.src, m.dst_tier, m.dst, m.block_hash) for m in request.moves])
+        zero = set(self._admit(request.grants, request.lease_id, "MoveBlocks",
+                               write=[m.dst for m in request.moves if m.dst_tier == 0],
+                               read=[m.src for m in request.moves if m.src_tier == 0]))
+        # (a block that changed tenant is zeroed after the copies down that read its old
+        # content, before an order that writes it)
+        orders = [(m.src_tier, m.src, m.dst_tier, m.dst, m.block_hash) for m in request.moves]
+        done = [] if zero else self.tiers.run(orders)
+        for i, order in enumerate(orders if zero else ()):
+            if order[2] == 0 and order[3] in zero:
+                self.pool.zero(sorted(zero & {o[3] for o in orders[i:] if o[2] == 0}))
+                zero -= {o[3] for o in orders[i:] if o[2] == 0}
+            done.extend(self.tiers.run([order]))
+        self.pool.zero(sorted(zero))
         moved = sum(1 for e in done if not e)
         return pb.MoveBlocksResponse(results=[pb.MoveResult(ok=not e, error=e) for e in done],
                                      bytes_moved=moved * self.pool.shape.bytes_per_block)
@@ -150,6 +187,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if not 0 <= f.dst < self.pool.shape.num_blocks:
                 raise errors.InvalidArgument(f"fetches[{i}].dst: block {f.dst} is out of range "
                                              f"0..{self.pool.shape.num_blocks - 1}")
+        self.pool.zero(self._admit(request.grants, request.lease_id, "FetchBlocks",
+                                   write=[f.dst for f in request.fetches]))
         if self.sources is None:
             raise errors.FailedPrecondition("this worker fetches from no other worker (it has no allocator)")
         try:
@@ -202,6 +241,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         await check()
         block_ids = store.check_block_ids(first.block_ids, self.pool.shape.num_blocks, distinct=True)
+        self.pool.zero(self._admit(first.grants, first.lease_id, "WriteBlocks", write=block_ids))
 
         async def chunks() -> AsyncIterator[list[transfer.Piece]]:
             yield transfer.from_message(first.chunk)
@@ -221,6 +261,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._check_epoch(request.epoch)
         block_ids = store.check_block_ids(request.block_ids, self.pool.shape.num_blocks, distinct=False)
         chunk = transfer.check_chunk_bytes(request.chunk_bytes)
+        self.pool.zero(self._admit(request.grants, request.lease_id, "ReadBlocks", read=block_ids))
         async for message in transfer.serve(store.device_refs(block_ids), self._read, chunk, self.pool):
             yield message                # (serialized: serialize_chunk)
         self.store.read_blocks += len(block_ids)
@@ -236,6 +277,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await self.fence.check_generation(request.generation, "Forward")
         if self.runner is None:
             raise errors.FailedPrecondition("this worker serves no model (start it with --model)")
+        read = [p.src for p in request.copies]
+        for q in request.sequences:
+            read.extend(q.block_table)
+        self.pool.zero(self._admit(request.grants, request.lease_id, "Forward", read=read,
+                                   write=[p.dst for p in request.copies] + [b for q in request.sequences
+                                                                             for b in self._slot_blocks(q.slot_mapping)]))
         from worker.model import StepSequence
 
         sequences = [StepSequence(list(q.token_ids), q.start_position, list(q.block_table), list(q.slot_mapping),

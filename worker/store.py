@@ -121,7 +121,7 @@ def device_refs(block_ids: list[int]) -> list[tuple[int, int, bytes]]:
 
 
 def write_blocks(stub: Any, *, epoch: int, lease_id: str, generation: int, block_ids: Iterable[int], data: Any,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float | None = None) -> int:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float | None = None, grants: Iterable = ()) -> int:
     """Writes whole blocks into a worker's pool (``WriteBlocks``).
 
     Args:
@@ -150,7 +150,8 @@ def write_blocks(stub: Any, *, epoch: int, lease_id: str, generation: int, block
     if (len(view) % len(ids) if ids else len(view)):
         raise errors.InvalidArgument(f"{len(view)} bytes of data are not {len(ids)} blocks of one size")
     size = len(view) // len(ids) if ids else 0
-    first = pb.WriteBlocksRequest(epoch=epoch, lease_id=lease_id, generation=generation, block_ids=ids)
+    first = pb.WriteBlocksRequest(epoch=epoch, lease_id=lease_id, generation=generation, block_ids=ids,
+                                  grants=list(grants))
 
     def requests():
         message = first
@@ -177,7 +178,8 @@ def write_blocks(stub: Any, *, epoch: int, lease_id: str, generation: int, block
 
 
 def read_blocks(stub: Any, *, epoch: int, block_ids: Iterable[int], bytes_per_block: int, out: Any = None,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float | None = None) -> Any:
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float | None = None, lease_id: str = "",
+                grants: Iterable = ()) -> Any:
     """Reads whole blocks of a worker's pool (``ReadBlocks``), each checked against its
     checksum.
 
@@ -201,7 +203,8 @@ def read_blocks(stub: Any, *, epoch: int, block_ids: Iterable[int], bytes_per_bl
             of the blocks.
     """
     ids = list(block_ids)
-    request = pb.ReadBlocksRequest(epoch=epoch, block_ids=ids, chunk_bytes=check_chunk_bytes(chunk_bytes))
+    request = pb.ReadBlocksRequest(epoch=epoch, block_ids=ids, chunk_bytes=check_chunk_bytes(chunk_bytes),
+                                   lease_id=lease_id, grants=list(grants))
     size = len(ids) * bytes_per_block
     if out is None:
         out = bytearray(size)

@@ -117,9 +117,18 @@ class ReserveOps:
                        "lease_left_ms": left_ms, "touch_left_ms": touch_ms, "first_entry": r.first_entry,
                        "cap": cap, "run": secrets.token_hex(8), "budget": RESYNC_WORK, "total": len(entries)}
             reply = await self._resync_parts(lease_id, r.pool_id, payload, entries)
+            # The grant of what the lease holds after it (a new generation voided the old
+            # ones): the blocks of the sequences it kept, and its reserve. (Read after the
+            # last part: the lease holds them all now.)
+            lost = set(reply["lost"])
+            kept = [b for c in entries if c["n"] not in lost for b in c["tab"]] + list(reply["reserve"])
+            epoch = int(reply["epoch"])
+            grant = Grant(r.pool_id, epoch, int(reply["generation"]), lease_id, tenant,
+                          await self.store.version(r.pool_id), pack_blocks(kept)).signed(
+                await self.grant_key(r.pool_id, epoch)) if kept else None
             return ReserveGrant(r.pool_id, reply["epoch"], [], len(reply["reserve"]), reply["cap"], reply["applied"],
                                 lost_sequences=tuple(reply["lost"]), reserve_blocks=tuple(reply["reserve"]),
-                                resynced=True, generation=int(reply["generation"]))
+                                resynced=True, generation=int(reply["generation"]), grant=grant)
         returned = [int(b) for b in r.returned_blocks]
         # The entries are known by their numbers (a resend is a no-op by numbering): the
         # fingerprint covers the rest of the request and which entries it carries.

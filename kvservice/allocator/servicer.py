@@ -234,11 +234,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def MigrateSequence(self, request: pb.MigrateSequenceRequest, context: Any) -> pb.MigrateSequenceResponse:
         await self.access.lease(request.lease_id)
-        made, orders, generation = await self.a.migrate_sequence(request.lease_id, request.sequence_id,
-                                                                 request.pool_id, request.block_hashes,
-                                                                 request.request_id)
+        made, orders, generation, grant = await self.a.migrate_sequence(request.lease_id, request.sequence_id,
+                                                                        request.pool_id, request.block_hashes,
+                                                                        request.request_id)
         seq = seq_to_pb(made)
         seq.generation = generation
+        if grant is not None:
+            seq.grant.CopyFrom(grant.to_pb(pb))
         return pb.MigrateSequenceResponse(sequence=seq, fetches=[tier_order_to_pb(o) for o in orders])
 
     async def Sync(self, request: pb.SyncRequest, context: Any) -> pb.SyncResponse:

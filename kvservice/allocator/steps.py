@@ -212,7 +212,9 @@ class StepOps(RunOps):
                 first_error = first_error or reply
                 continue
             self._collect(pool_id, by_pool[pool_id], lease_id, reply, outcome)
-            grant = step_grant(pool_id, lease_id, tenant, self._geometry[pool_id][1].block_size, reply)
+            # (a step of updates alone never looked the lease up: its tenant, cached, for the grant)
+            grant = step_grant(pool_id, lease_id, tenant or await self._lease_tenant(lease_id),
+                               self._geometry[pool_id][1].block_size, reply)
             if grant is not None:
                 outcome.grants[pool_id] = grant.signed(await self.grant_key(pool_id, grant.epoch))
         if first_error is not None:
@@ -538,7 +540,10 @@ class StepOps(RunOps):
             orders.append((dest, reply["epoch"], tier, src, 0, block, h, source, epoch, pin_id))
         if not orders:
             await self._release_unused([(source, epoch, pin_id)], StepOutcome([], [], []))
-        return made, orders, int(reply["generation"])
+        grant = step_grant(dest, lease_id, tenant, bs, reply)
+        if grant is not None:
+            grant = grant.signed(await self.grant_key(dest, grant.epoch))
+        return made, orders, int(reply["generation"]), grant
 
     async def _migration_target(self, source: str, geo: Geometry, hashes: list[str]) -> str:
         """Where a migrating sequence goes when the caller names no pool: among the pools of

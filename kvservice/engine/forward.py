@@ -237,16 +237,20 @@ class ForwardPath:
             epochs = {b.seq.epoch for b, _, _, _ in items}
             if len(epochs) > 1:
                 raise RuntimeError(f"pool {pool}: sequences of several epochs {sorted(epochs)} in one step")
-            request = wpb.ForwardRequest(epoch=epochs.pop() if epochs else 0, copies=copies,
+            epoch = epochs.pop() if epochs else 0
+            request = wpb.ForwardRequest(epoch=epoch, copies=copies,
                                          sequences=[fs for _, _, fs, _ in items], return_logits=self.return_logits,
                                          lease_id=self.client.lease_id, generation=self.client.generation(pool))
             stub = self._stubs.get(pool)
             if stub is None:
                 raise errors.Unavailable(f"no connection to the worker of pool {pool} (not reachable when the "
                                          f"pool list was read)")
+            grants = self.client.take_grants(pool, epoch)
+            request.grants.extend(grants)
             try:
                 return stub.Forward(request, timeout=self.timeout), items
             except grpc.RpcError as exc:
+                self.client.requeue_grants(grants)
                 err = to_domain_error(exc)
                 if attempt or not isinstance(err, errors.RolledBack):
                     raise err from None

@@ -16,6 +16,7 @@ again in this step's forward (``recompute_from``), the others that read it wait 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import grpc
 
@@ -144,9 +145,16 @@ class TierPath:
             source_pool_id=source, source_epoch=source_epoch,
             fetches=[wpb.BlockFetch(src_tier=o.src_tier, src=o.src, block_hash=o.block_hash, dst=o.dst)
                      for o in group])
+        return self._call(stub.FetchBlocks, request, pool, epoch)
+
+    def _call(self, method: Any, request: Any, pool: str, epoch: int) -> Any:
+        """A worker call with the client's grants for the pool (given back if it fails)."""
+        grants = self.client.take_grants(pool, epoch)
+        request.grants.extend(grants)
         try:
-            return stub.FetchBlocks(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
+            self.client.requeue_grants(grants)
             raise to_domain_error(exc) from None
 
     def _move_call(self, key: tuple[str, int], group: list[pb.TierOrder]) -> wpb.MoveBlocksResponse:
@@ -158,10 +166,7 @@ class TierPath:
             epoch=epoch, lease_id=self.client.lease_id, generation=self.client.generation(pool),
             moves=[wpb.BlockMove(src_tier=o.src_tier, src=o.src, dst_tier=o.dst_tier, dst=o.dst,
                                  block_hash=o.block_hash) for o in group])
-        try:
-            return stub.MoveBlocks(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise to_domain_error(exc) from None
+        return self._call(stub.MoveBlocks, request, pool, epoch)
 
     def _taint(self, pool: str, epoch: int, blocks: set[int], forget: bool = True) -> None:
         """Blocks of ``pool`` whose content is not what their hash says (a load or fetch

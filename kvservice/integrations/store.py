@@ -47,6 +47,12 @@ class Held:
     num_committed_blocks: int        # = num_cached_tokens / block_size
     last_hash: bytes
     lease_id: str
+    #: The allocator's grants of its blocks (serialized ``kvservice.v1.Grant``): they go with
+    #: the worker calls that read and write them.
+    grants: tuple[bytes, ...] = ()
+
+    def grant_messages(self) -> list[pb.Grant]:
+        return [pb.Grant.FromString(g) for g in self.grants]
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,7 +119,8 @@ class KVStore:
         s = reply.created[0]
         pool = self._pool(s.pool_id, s.epoch)
         return Held(s.sequence_id, s.pool_id, s.epoch, reply.generations.get(s.pool_id, 0), tuple(s.block_table),
-                    s.num_tokens, s.num_cached_tokens, s.num_committed_blocks, s.last_hash, c.lease_id) \
+                    s.num_tokens, s.num_cached_tokens, s.num_committed_blocks, s.last_hash, c.lease_id,
+                    tuple(g.SerializeToString() for g in reply.grants)) \
             if pool else None
 
     def release(self, held: Held) -> None:
@@ -150,7 +157,8 @@ class KVStore:
         checked against their checksums."""
         pool = self._pool(held.pool_id, held.epoch)
         return worker_store.read_blocks(pool.stub, epoch=held.epoch, block_ids=list(held.block_table[first:first + count]),
-                                        bytes_per_block=pool.bytes_per_block, timeout=self.timeout)
+                                        bytes_per_block=pool.bytes_per_block, timeout=self.timeout,
+                                        lease_id=held.lease_id, grants=held.grant_messages())
 
     def write(self, held: Held, first: int, tokens: Seq[int], data: Any) -> int:
         """Writes ``data`` (whole blocks) into ``held``'s blocks from ``first`` on, then commits
@@ -164,7 +172,7 @@ class KVStore:
         try:
             worker_store.write_blocks(pool.stub, epoch=held.epoch, lease_id=held.lease_id, generation=held.generation,
                                       block_ids=list(held.block_table[first:first + count]), data=data,
-                                      timeout=self.timeout)
+                                      timeout=self.timeout, grants=held.grant_messages())
             update = pb.SeqUpdate(sequence_id=held.sequence_id, num_tokens=held.num_tokens,
                                   parent_hash=held.last_hash, free=True,
                                   commits=[pb.BlockCommit(index=i, token_ids=tokens[i * bs:(i + 1) * bs])

@@ -112,14 +112,17 @@ def _rounds(args: argparse.Namespace, shared_memory_dir: str) -> tuple[int, floa
             data = array.array("f", (rng.gauss(0.0, 1.0) for _ in range(math.prod(shape)))).tobytes()
             return wpb.Tensor(dtype="float32", shape=shape, data=data)
 
+        # (the allocator's grants of the two sequences' blocks go with the first call to each worker)
+        grants = {p: client.take_grants(p, e) for p, e in (("worker-0", src_pool.epoch), ("worker-1", dst_pool.epoch))}
         for layer in (0, g.num_layers - 1):          # (random K/V in two layers: what the check compares)
             stubs["worker-0"].WriteKV(wpb.WriteKVRequest(
                 epoch=src_pool.epoch, layer=layer, slot_mapping=slots, key=randn(), value=randn(),
-                lease_id=client.lease_id, generation=client.generation("worker-0")))
+                lease_id=client.lease_id, generation=client.generation("worker-0"), grants=grants["worker-0"]))
         request = wpb.FetchBlocksRequest(
             epoch=dst_pool.epoch, lease_id=client.lease_id, generation=client.generation("worker-1"),
             source_pool_id="worker-0", source_epoch=src_pool.epoch, chunk_bytes=args.chunk_kib << 10,
-            fetches=[wpb.BlockFetch(src_tier=0, src=s, dst=d) for s, d in zip(src.block_table, dst.block_table)])
+            fetches=[wpb.BlockFetch(src_tier=0, src=s, dst=d) for s, d in zip(src.block_table, dst.block_table)],
+            grants=grants["worker-1"])
         stubs["worker-1"].FetchBlocks(request, timeout=120)         # (a warm-up round: channels, allocations)
         progress(f"{args.rounds} rounds of {blocks} blocks ({blocks * per_block / 2**20:.1f} MiB), each a fetch "
                  f"then a raw stream of as many bytes")
@@ -138,8 +141,10 @@ def _rounds(args: argparse.Namespace, shared_memory_dir: str) -> tuple[int, floa
         moved = args.rounds * batch
         dst_slots = [b * 16 + i for b in dst.block_table for i in range(16)]
         for layer in (0, g.num_layers - 1):
-            a = stubs["worker-0"].ReadKV(wpb.ReadKVRequest(epoch=src_pool.epoch, layer=layer, slots=slots))
-            b = stubs["worker-1"].ReadKV(wpb.ReadKVRequest(epoch=dst_pool.epoch, layer=layer, slots=dst_slots))
+            a = stubs["worker-0"].ReadKV(wpb.ReadKVRequest(epoch=src_pool.epoch, layer=layer, slots=slots,
+                                                           lease_id=client.lease_id))
+            b = stubs["worker-1"].ReadKV(wpb.ReadKVRequest(epoch=dst_pool.epoch, layer=layer, slots=dst_slots,
+                                                           lease_id=client.lease_id))
             if a.key.data != b.key.data or a.value.data != b.value.data:
                 raise RuntimeError(f"layer {layer}: the fetched blocks differ from the source's")
         for ch in channels.values():
