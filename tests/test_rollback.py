@@ -84,10 +84,14 @@ class Load:
         (False: the sequence was lost in that resync)."""
         for _ in range(50):
             request.generation = self.client.generation("p0")
+            grants = self.client.take_grants("p0", self.epoch)     # (the allocator's, of the blocks it writes)
+            del request.grants[:]
+            request.grants.extend(grants)
             try:
                 getattr(self.worker, method)(request, timeout=10)
                 return True
             except grpc.RpcError as exc:
+                self.client.requeue_grants(grants)
                 err = to_domain_error(exc)
                 if isinstance(err, errors.RolledBack):
                     self.refused += 1
@@ -192,8 +196,9 @@ class Load:
         many were checked."""
         for seq, tokens in self.tokens.items():
             n = len(tokens)
-            got = self.worker.ReadKV(wpb.ReadKVRequest(epoch=self.epoch, layer=0, slots=seq.slot_mapping(0, n)),
-                                     timeout=10)
+            got = self.worker.ReadKV(wpb.ReadKVRequest(epoch=self.epoch, layer=0, slots=seq.slot_mapping(0, n),
+                                                       lease_id=self.client.lease_id,
+                                                       grants=self.client.take_grants("p0", self.epoch)), timeout=10)
             k = tensors.decode(got.key, "key", torch.float32, torch.device("cpu"))
             want = stamps(self.tenant, tokens, 0, n)
             bad = [p for p in range(n) if not torch.equal(k[p], want[p])]
@@ -348,7 +353,8 @@ def test_the_first_write_of_a_new_generation_fences_the_old_writers_out_of_the_w
                     kv = tensors.encode(stamps(tenant, tokens, 0, len(tokens)))
                     stub.WriteKV(wpb.WriteKVRequest(epoch=epoch, layer=0, slot_mapping=seq.slot_mapping(0, len(tokens)),
                                                     key=kv, value=kv, lease_id=c.lease_id,
-                                                    generation=c.generation("p0")), timeout=10)
+                                                    generation=c.generation("p0"),
+                                                    grants=c.take_grants("p0", epoch)), timeout=10)
 
                 mine = list(range(1, 11))
                 sa = a.create(mine, pool="p0")
@@ -366,7 +372,8 @@ def test_the_first_write_of_a_new_generation_fences_the_old_writers_out_of_the_w
                 assert isinstance(err, errors.RolledBack) and err.generation == b.generation("p0"), err
                 assert a.resync("p0") == [] and a.generation("p0") == b.generation("p0")
                 write(a, sa, mine, 0)
-                got = stub.ReadKV(wpb.ReadKVRequest(epoch=epoch, layer=0, slots=sa.slot_mapping(0, 10)), timeout=10)
+                got = stub.ReadKV(wpb.ReadKVRequest(epoch=epoch, layer=0, slots=sa.slot_mapping(0, 10),
+                                                    lease_id=a.lease_id), timeout=10)
                 assert torch.equal(tensors.decode(got.key, "key", torch.float32, torch.device("cpu")),
                                    stamps(0, mine, 0, 10))
                 assert "generation" in worker.log()

@@ -207,9 +207,10 @@ def test_a_tenant_stores_its_blocks_a_worker_may_not_and_a_revoked_lease_is_refu
         data = np.random.default_rng(7).integers(0, 256, len(ids) * info.bytes_per_block, dtype=np.uint8)
         write = dict(epoch=info.epoch, lease_id=client.lease_id, generation=client.generation("worker-0"),
                      block_ids=ids, data=data)
-        assert write_blocks(stubs["engine"], **write) == 3
+        assert write_blocks(stubs["engine"], **write, grants=client.take_grants("worker-0", info.epoch)) == 3
         for who in ("engine", "admin"):
-            got = read_blocks(stubs[who], epoch=info.epoch, block_ids=ids, bytes_per_block=info.bytes_per_block)
+            got = read_blocks(stubs[who], epoch=info.epoch, block_ids=ids, bytes_per_block=info.bytes_per_block,
+                              lease_id=client.lease_id)
             assert bytes(got) == data.tobytes(), who
         with pytest.raises(errors.PermissionDenied, match="not open to the worker role"):
             write_blocks(stubs["worker-0"], **{**write, "data": np.zeros_like(data)})
@@ -228,8 +229,17 @@ def test_a_tenant_stores_its_blocks_a_worker_may_not_and_a_revoked_lease_is_refu
                 break
             assert time.monotonic() < deadline, "a revoked lease kept writing"
             time.sleep(0.02)
-        got = read_blocks(stubs["engine"], epoch=info.epoch, block_ids=ids, bytes_per_block=info.bytes_per_block)
-        assert bytes(got) == data.tobytes()
+        # Its blocks, cached, are what it wrote before it died: another lease of the tenant that
+        # shares them (a prompt hit) reads them; the dead lease may not.
+        with pytest.raises(errors.PermissionDenied):
+            read_blocks(stubs["engine"], epoch=info.epoch, block_ids=ids, bytes_per_block=info.bytes_per_block,
+                        lease_id=client.lease_id)
+        with Client(stack.target, credentials=stack.credentials("engine"), keepalive=False) as other:
+            hit = other.create(list(range(3 * STACK_BS)) + [7], pool="worker-0")
+            assert list(hit.block_table[:3]) == ids
+            got = read_blocks(stubs["engine"], epoch=info.epoch, block_ids=ids, bytes_per_block=info.bytes_per_block,
+                              lease_id=other.lease_id, grants=other.take_grants("worker-0", info.epoch))
+            assert bytes(got) == data.tobytes()
     finally:
         for ch in (*channels.values(), admin):
             ch.close()

@@ -289,6 +289,10 @@ class Pair:
         #: (what every write carries: the pool's generation, from its registration)
         self.generations = {p.pool_id: p.generation for p in self.client.pools()}
 
+    def grants(self, pool: str) -> list:
+        """The client's grants of its blocks of ``pool`` not sent to its worker yet."""
+        return self.client.take_grants(pool, self.epochs[pool])
+
     def write(self, pool: str, blocks: list[int], seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         slots = [b * BS + i for b in blocks for i in range(BS)]
@@ -296,20 +300,23 @@ class Pair:
             k, v = torch.randn(len(slots), 4, 64, generator=g), torch.randn(len(slots), 4, 64, generator=g)
             self.stubs[pool].WriteKV(pb.WriteKVRequest(
                 epoch=self.epochs[pool], layer=layer, slot_mapping=slots, key=tensors.encode(k),
-                value=tensors.encode(v), lease_id=self.client.lease_id, generation=self.generations[pool]))
+                value=tensors.encode(v), lease_id=self.client.lease_id, generation=self.generations[pool],
+                grants=self.grants(pool)))
 
     def read(self, pool: str, block: int) -> bytes:
         slots = list(range(block * BS, (block + 1) * BS))
         out = b""
         for layer in range(4):
-            r = self.stubs[pool].ReadKV(pb.ReadKVRequest(epoch=self.epochs[pool], layer=layer, slots=slots))
+            r = self.stubs[pool].ReadKV(pb.ReadKVRequest(epoch=self.epochs[pool], layer=layer, slots=slots,
+                                                         lease_id=self.client.lease_id, grants=self.grants(pool)))
             out += r.key.data + r.value.data
         return out
 
     def fetch(self, fetches: list[pb.BlockFetch], **kw) -> pb.FetchBlocksResponse:
         request = pb.FetchBlocksRequest(epoch=self.epochs["worker-1"], lease_id=self.client.lease_id,
                                         generation=self.generations["worker-1"], source_pool_id="worker-0",
-                                        source_epoch=self.epochs["worker-0"], chunk_bytes=CHUNK, fetches=fetches)
+                                        source_epoch=self.epochs["worker-0"], chunk_bytes=CHUNK, fetches=fetches,
+                                        grants=self.grants("worker-1"))
         for k, v in kw.items():
             setattr(request, k, v)
         return self.stubs["worker-1"].FetchBlocks(request, timeout=30)
@@ -370,7 +377,8 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 
 def test_a_host_entry_is_fetched_once_its_hash_matches_and_a_mismatch_leaves_the_block_unwritten(pair):
-    src = pair.client.create(list(range(1, 2 * BS + 1)), pool="worker-0")
+    # (a prompt no other test caches: a cached block is shared, and written by nobody)
+    src = pair.client.create(list(range(9001, 9001 + 2 * BS)), pool="worker-0")
     dst = pair.client.create(list(range(2000, 2000 + 2 * BS)), pool="worker-1")
     pair.write("worker-0", list(src.block_table), seed=3)
     moved = pair.stubs["worker-0"].MoveBlocks(pb.MoveBlocksRequest(
@@ -390,7 +398,8 @@ def test_a_host_entry_is_fetched_once_its_hash_matches_and_a_mismatch_leaves_the
 
 
 def test_a_stale_source_epoch_a_bad_request_and_an_engine_pulling_directly_are_refused(stack, pair):
-    fetches = [pb.BlockFetch(src_tier=0, src=0, dst=0)]
+    dst = pair.client.create(list(range(30001, 30001 + BS)), pool="worker-1")
+    fetches = [pb.BlockFetch(src_tier=0, src=0, dst=dst.block_table[0])]
     reply = pair.fetch(fetches * 2, source_epoch=pair.epochs["worker-0"] + 1)    # (every block refused)
     assert [r.ok for r in reply.results] == [False, False] and reply.bytes_moved == 0
     assert f"is at epoch {pair.epochs['worker-0']}, not" in reply.results[0].error, reply.results[0].error
@@ -442,7 +451,7 @@ def test_fetches_complete_with_the_source_s_bytes_while_others_write_the_staging
     along, and a caller with a worker's credentials pulls other blocks naming them: every
     fetch that completes holds the source's bytes, one that does not leaves its blocks as
     they were (the engine recomputes them), and the foreign pull is not written there."""
-    src = pair.client.create(list(range(1, 8 * BS + 1)), pool="worker-0")
+    src = pair.client.create(list(range(20001, 20001 + 8 * BS)), pool="worker-0")
     dst = pair.client.create(list(range(5000, 5000 + 8 * BS)), pool="worker-1")
     pair.write("worker-0", list(src.block_table), seed=11)
     expected = {s: pair.read("worker-0", s) for s in src.block_table}

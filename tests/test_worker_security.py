@@ -45,14 +45,17 @@ def _kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
 
 
-def _write(stub, epoch: int, slots: list[int], lease: str, seed: int = 1, generation: int = 0):
+def _write(stub, epoch: int, slots: list[int], lease: str, seed: int = 1, generation: int = 0, grants=()):
     k, v = _kv(len(slots), seed)
     return stub.WriteKV(pb.WriteKVRequest(epoch=epoch, layer=0, slot_mapping=slots, key=tensors.encode(k),
-                                          value=tensors.encode(v), lease_id=lease, generation=generation), timeout=10)
+                                          value=tensors.encode(v), lease_id=lease, generation=generation,
+                                          grants=grants), timeout=10)
 
 
-def _memory(stub, epoch: int) -> bytes:
-    reply = stub.ReadKV(pb.ReadKVRequest(epoch=epoch, layer=0, slots=list(range(64 * BS))), timeout=10)
+def _memory(stub, epoch: int, client: Client) -> bytes:
+    """The whole pool's K/V, read by ``client``'s lease (which holds every block)."""
+    reply = stub.ReadKV(pb.ReadKVRequest(epoch=epoch, layer=0, slots=list(range(64 * BS)), lease_id=client.lease_id,
+                                         grants=client.take_grants("worker-0", epoch)), timeout=10)
     return reply.key.data + reply.value.data
 
 
@@ -92,7 +95,8 @@ def test_every_worker_method_refuses_callers_without_an_identity_or_of_the_wrong
         channel, engine = _worker(stack, "engine")
         try:
             epoch = engine.Describe(pb.DescribeWorkerRequest(), timeout=10).epoch
-            before = _memory(engine, epoch)
+            whole = client.create(list(range(5000, 5000 + 64 * BS)), pool="worker-0")    # (every block of the pool)
+            before = _memory(engine, epoch, client)
             requests = _requests(epoch, client.lease_id)
             assert sorted(requests) == sorted(methods)
             # The server certificate names no role: an authenticated peer, but no identity;
@@ -125,7 +129,8 @@ def test_every_worker_method_refuses_callers_without_an_identity_or_of_the_wrong
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             finally:
                 plaintext.close()
-            assert _memory(engine, epoch) == before
+            assert _memory(engine, epoch, client) == before
+            whole.free()
         finally:
             channel.close()
 
@@ -146,14 +151,17 @@ def test_a_write_must_name_its_lease(stack):
 def test_a_dead_lease_s_writes_are_refused_within_a_heartbeat(stack, death):
     ttl = 1.0 if death == "expired" else 30.0
     client = Client(stack.target, credentials=stack.credentials("engine"), keepalive=False, lease_ttl=ttl)
-    seq = client.create(list(range(20)), pool="worker-0")
+    # (a prompt of its own: a block cached by an earlier test is shared, and written by nobody)
+    seq = client.create(list(range(300 if death == "revoked" else 400, 320 if death == "revoked" else 420)),
+                        pool="worker-0")
     slots = [b * BS + i for b in seq.block_table for i in range(BS)][:20]
     channel, engine = _worker(stack, "engine")
     admin_channel = stack.credentials("admin").channel(stack.target)
     try:
         epoch = engine.Describe(pb.DescribeWorkerRequest(), timeout=10).epoch
         gen = client.generation("worker-0")
-        assert gen and _write(engine, epoch, slots, client.lease_id, generation=gen).num_written == 20
+        assert gen and _write(engine, epoch, slots, client.lease_id, generation=gen,
+                              grants=client.take_grants("worker-0", epoch)).num_written == 20
         if death == "revoked":
             apb_grpc.AllocatorStub(admin_channel).RevokeLease(apb.RevokeLeaseRequest(lease_id=client.lease_id),
                                                               timeout=10)
@@ -173,9 +181,13 @@ def test_a_dead_lease_s_writes_are_refused_within_a_heartbeat(stack, death):
         print(f"\n{death} lease's writes refused {took * 1000:.0f} ms after its death "
               f"(heartbeat interval {HEARTBEAT * 1000:.0f} ms, reap interval 500 ms)")
         assert took < 3 * HEARTBEAT + 0.5 + 0.5, f"refused only {took:.2f} s after the lease died"
-        # Another lease writes on.
+        # Another lease writes on, into blocks of its own.
         with Client(stack.target, credentials=stack.credentials("engine"), keepalive=False) as other:
-            assert _write(engine, epoch, slots, other.lease_id, seed=3, generation=gen).num_written == 20
+            mine = other.create(list(range(500 if death == "revoked" else 600, 520 if death == "revoked" else 620)),
+                                pool="worker-0")
+            slots = [b * BS + i for b in mine.block_table for i in range(BS)][:20]
+            assert _write(engine, epoch, slots, other.lease_id, seed=3, generation=gen,
+                          grants=other.take_grants("worker-0", epoch)).num_written == 20
     finally:
         channel.close()
         admin_channel.close()

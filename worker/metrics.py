@@ -141,7 +141,7 @@ class WorkerMetrics:
         if rights is not None:
             f = family("worker_grants_total")
             f.add_metric([self.pool_id, "refused"], float(rights.refused))
-            f.add_metric([self.pool_id, "uncovered"], float(rights.unchecked))
+            f.add_metric([self.pool_id, "denied"], float(rights.denied))
             yield f
         f = family("worker_refused_writes_total")
         for reason, n in sorted((self.fence.refused if self.fence is not None else {}).items()):

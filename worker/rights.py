@@ -54,11 +54,8 @@ class BlockRights:
         self._content = np.full(num_blocks, -1, dtype=np.int64)
         #: Grants refused (a bad MAC, another pool or epoch, another tenant's).
         self.refused = 0
-        #: Whether a call whose blocks no grant covers is refused; off: it is counted
-        #: (``unchecked``) and goes ahead, as a worker did before grants existed.
-        self.enforce = True
-        #: Calls that went ahead though no grant covered one of their blocks (``enforce`` off).
-        self.unchecked = 0
+        #: Calls refused for a block no grant of theirs covers.
+        self.denied = 0
 
     def reset(self, epoch: int, key: bytes) -> None:
         """A new epoch and its key: every grant seen so far is void."""
@@ -169,9 +166,8 @@ class BlockRights:
             return
         refusal = self._first_refusal(lease_id, write, read, what)
         if refusal:
-            if self.enforce:
-                raise errors.PermissionDenied(refusal)
-            self.unchecked += 1
+            self.denied += 1
+            raise errors.PermissionDenied(refusal)
 
     def _first_refusal(self, lease_id: str, write: Iterable[int], read: Iterable[int], what: str) -> str:
         idx = self._index.get(lease_id, -2)

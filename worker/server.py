@@ -175,7 +175,6 @@ async def create_server(pool: KVPool, pool_id: str, address: str, allocator: str
     fence.require_lease = fence.require_lease or authenticated
     if allocator and fence.rights is None:
         fence.rights = BlockRights(pool.shape.num_blocks, pool_id)
-        fence.rights.enforce = False        # (counted, not refused: docs/security.md "Current limits")
     servicer = WorkerServicer(pool, pool_id, allocator, runner, fence, tiers, sources)
     if metrics is not None:
         metrics.store = servicer.store

@@ -180,9 +180,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Blocks store clients moved: written into this pool (direction in, WriteBlocks) or read from it (out, "
        "ReadBlocks)."),
     _m("worker_grants_total", "counter", ("pool", "result"), "worker",
-       "The allocator's grants (worker/rights.py) the calls carried: refused (a bad signature, another pool, epoch, "
-       "generation or tenant: the call is refused), and calls that went ahead though no grant covered one of their "
-       "blocks (uncovered: the check counts them and refuses nothing yet)."),
+       "Grants (worker/rights.py): refused (a bad signature, another pool, epoch, generation or tenant: the call "
+       "carrying it is refused), and calls denied (PERMISSION_DENIED) for a block that no grant gives their lease."),
     _m("worker_refused_writes_total", "counter", ("pool", "reason"), "worker",
        "Writes (WriteKV, CopyBlocks, Forward, MoveBlocks, FetchBlocks, WriteBlocks) refused: LEASE_EXPIRED (a dead "
        "lease's), ROLLED_BACK (of another generation than the pool's: a writer that has not resynchronised since its "

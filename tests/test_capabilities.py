@@ -1,0 +1,195 @@
+"""The bytes obey the allocator: a worker touches a block only for a lease that the
+allocator's grants give it to (docs/security.md, "Grants"). Real processes, mTLS on: an
+allocator, two tiny-Llama workers with a host tier, and two tenants (``engine``, A, and
+``api``, B), each with its own lease and the public SDK; B attacks A's blocks through
+every data-plane RPC of the worker with its own valid credentials, a made-up lease, a
+forged grant, A's own grant, another pool's and another epoch's; each is refused and A's
+K/V is unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from kvservice.client import Client
+from kvservice.common.grants import Grant, new_key, pack_blocks
+from kvservice.tools.launcher import Stack
+from kvservice.v1 import allocator_pb2 as apb
+from kvservice.v1 import worker_pb2 as pb
+from kvservice.v1 import worker_pb2_grpc as pb_grpc
+from worker import tensors
+
+pytestmark = pytest.mark.e2e
+
+BS = 16
+HEADS, DIM, LAYERS = 2, 64, 2      # (tiny-llama's K/V)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with Stack(2, model="tiny-llama", block_size=BS, num_blocks=64, worker_args=("--host-tier-gb", "0.01")) as s:
+        yield s
+
+
+class Tenant:
+    """One tenant's client (its lease) and worker stubs."""
+
+    def __init__(self, stack: Stack, name: str) -> None:
+        self.client = Client(stack.target, credentials=stack.credentials(name))
+        self.channels = [stack.credentials(name).channel(w.target) for w in stack.workers]
+        self.stubs = {f"worker-{i}": pb_grpc.WorkerStub(ch) for i, ch in enumerate(self.channels)}
+        self.epochs = {p: s.Describe(pb.DescribeWorkerRequest(), timeout=10).epoch for p, s in self.stubs.items()}
+
+    @property
+    def lease(self) -> str:
+        return self.client.lease_id
+
+    def grants(self, pool: str) -> list:
+        return self.client.take_grants(pool, self.epochs[pool])
+
+    def write(self, pool: str, slots: list[int], seed: int, **kw) -> pb.WriteKVResponse:
+        g = torch.Generator().manual_seed(seed)
+        k, v = torch.randn(len(slots), HEADS, DIM, generator=g), torch.randn(len(slots), HEADS, DIM, generator=g)
+        fields = dict(epoch=self.epochs[pool], layer=0, slot_mapping=slots, key=tensors.encode(k),
+                      value=tensors.encode(v), lease_id=self.lease, generation=self.client.generation(pool))
+        fields.update(kw)
+        if "grants" not in kw:
+            fields["grants"] = self.grants(pool)
+        return self.stubs[pool].WriteKV(pb.WriteKVRequest(**fields), timeout=10)
+
+    def read(self, pool: str, slots: list[int]) -> bytes:
+        r = self.stubs[pool].ReadKV(pb.ReadKVRequest(epoch=self.epochs[pool], layer=0, slots=slots,
+                                                     lease_id=self.lease, grants=self.grants(pool)), timeout=10)
+        return r.key.data + r.value.data
+
+    def close(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        self.client.close()
+
+
+def _slots(blocks) -> list[int]:
+    return [b * BS + i for b in blocks for i in range(BS)]
+
+
+def _refused(call, *codes) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() in (codes or (grpc.StatusCode.PERMISSION_DENIED,)), info.value.details()
+    return info.value.details()
+
+
+def test_another_tenant_touches_no_block_of_a_lease_through_any_worker_call(stack):
+    a, b = Tenant(stack, "engine"), Tenant(stack, "api")
+    try:
+        sa = a.client.create(list(range(100, 100 + 3 * BS)), pool="worker-0")
+        sa1 = a.client.create(list(range(900, 900 + 2 * BS)), pool="worker-1")
+        a.write("worker-0", _slots(sa.block_table), seed=1)
+        a.write("worker-1", _slots(sa1.block_table), seed=5)
+        before = a.read("worker-0", _slots(sa.block_table))
+        sb = b.client.create(list(range(500, 500 + 2 * BS)), pool="worker-0")
+        sb1 = b.client.create(list(range(700, 700 + 2 * BS)), pool="worker-1")
+        b.write("worker-0", _slots(sb.block_table), seed=2)       # (its own blocks: written)
+        b.read("worker-1", _slots(sb1.block_table))
+        ab, bb = list(sa.block_table), list(sb.block_table)
+        w0, epoch = b.stubs["worker-0"], b.epochs["worker-0"]
+        gen = b.client.generation("worker-0")
+        q = tensors.encode(torch.randn(1, 4, DIM))
+        attacks = {
+            "WriteKV": lambda: b.write("worker-0", _slots(ab[:1]), seed=9),
+            "ReadKV": lambda: b.read("worker-0", _slots(ab[:1])),
+            "Attention": lambda: w0.Attention(pb.AttentionRequest(
+                epoch=epoch, layer=0, query=q, block_tables=[pb.BlockTable(block_ids=ab)], context_lens=[3 * BS],
+                query_lens=[1], lease_id=b.lease), timeout=10),
+            "CopyBlocks (read)": lambda: w0.CopyBlocks(pb.CopyBlocksRequest(
+                epoch=epoch, pairs=[pb.BlockCopy(src=ab[0], dst=bb[0])], lease_id=b.lease, generation=gen), timeout=10),
+            "CopyBlocks (write)": lambda: w0.CopyBlocks(pb.CopyBlocksRequest(
+                epoch=epoch, pairs=[pb.BlockCopy(src=bb[0], dst=ab[0])], lease_id=b.lease, generation=gen), timeout=10),
+            "Forward": lambda: w0.Forward(pb.ForwardRequest(
+                epoch=epoch, lease_id=b.lease, generation=gen, sequences=[pb.ForwardSequence(
+                    token_ids=[1], start_position=3 * BS - 1, block_table=ab, slot_mapping=[ab[-1] * BS + BS - 1])]),
+                timeout=10),
+            "MoveBlocks (copy down)": lambda: w0.MoveBlocks(pb.MoveBlocksRequest(
+                epoch=epoch, lease_id=b.lease, generation=gen,
+                moves=[pb.BlockMove(src_tier=0, src=ab[0], dst_tier=1, dst=0, block_hash=b"h" * 16)]), timeout=10),
+            "MoveBlocks (load)": lambda: w0.MoveBlocks(pb.MoveBlocksRequest(
+                epoch=epoch, lease_id=b.lease, generation=gen,
+                moves=[pb.BlockMove(src_tier=1, src=0, dst_tier=0, dst=ab[0], block_hash=b"h" * 16)]), timeout=10),
+            "FetchBlocks": lambda: w0.FetchBlocks(pb.FetchBlocksRequest(
+                epoch=epoch, lease_id=b.lease, generation=gen, source_pool_id="worker-1",
+                source_epoch=b.epochs["worker-1"], fetches=[pb.BlockFetch(src=sb1.block_table[0], dst=ab[0])]),
+                timeout=10),
+            "WriteBlocks": lambda: w0.WriteBlocks(iter([pb.WriteBlocksRequest(
+                epoch=epoch, lease_id=b.lease, generation=gen, block_ids=[ab[0]])]), timeout=10),
+            "ReadBlocks": lambda: list(w0.ReadBlocks(pb.ReadBlocksRequest(
+                epoch=epoch, lease_id=b.lease, block_ids=[ab[0]]), timeout=10)),
+        }
+        for name, attack in attacks.items():
+            details = _refused(attack)
+            assert any(f"may not {right} block {x} " in details for x in ab for right in ("read", "write")), \
+                (name, details)
+            assert "api" not in details and a.lease not in details, (name, details)   # (nothing of A's told)
+        # A made-up lease, no lease at all, a forged grant, A's own grant, another pool's,
+        # another epoch's: refused.
+        _refused(lambda: b.write("worker-0", _slots(ab[:1]), seed=9, lease_id="x"))
+        _refused(lambda: b.write("worker-0", _slots(ab[:1]), seed=9, lease_id=""), grpc.StatusCode.INVALID_ARGUMENT)
+        forged = Grant("worker-0", epoch, gen, b.lease, "api", 1 << 40, pack_blocks(ab)).signed(new_key())
+        assert "not signed" in _refused(lambda: b.write("worker-0", _slots(ab[:1]), seed=9,
+                                                        grants=[forged.to_pb(apb)]))
+        stolen = Grant("worker-0", epoch, gen, a.lease, "engine", 1 << 40, pack_blocks(ab)).signed(new_key())
+        assert "not signed" in _refused(lambda: b.write("worker-0", _slots(ab[:1]), seed=9, lease_id=a.lease,
+                                                        grants=[stolen.to_pb(apb)]))
+        # (a real grant of A's, replayed by B: the tenant it names is not B)
+        a2 = a.client.create(list(range(1500, 1500 + BS)), pool="worker-0")
+        real = a.client.take_grants("worker-0", epoch)
+        assert real and "only by the tenant" in _refused(lambda: b.write(
+            "worker-0", _slots(a2.block_table), seed=9, lease_id=a.lease, grants=real))
+        theirs = b.client.create(list(range(1700, 1700 + BS)), pool="worker-1")
+        other_pool = b.client.take_grants("worker-1", b.epochs["worker-1"])
+        assert "for pool 'worker-1'" in _refused(lambda: b.write("worker-0", _slots(ab[:1]), seed=9,
+                                                               grants=other_pool))
+        old = dataclasses.replace(Grant.from_pb(other_pool[0]), pool_id="worker-0", epoch=epoch - 1)
+        _refused(lambda: b.write("worker-0", _slots(ab[:1]), seed=9, grants=[old.to_pb(apb)]),
+                 grpc.StatusCode.FAILED_PRECONDITION)
+        text = urllib.request.urlopen(stack.workers[0].metrics_url, timeout=10).read().decode()
+        counts = {line.split('result="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("kvservice_worker_grants_total{")}
+        assert counts["denied"] >= len(attacks) + 1 and counts["refused"] >= 4, counts
+        # A's K/V is what A wrote; A goes on writing and reading its own blocks.
+        assert a.read("worker-0", _slots(sa.block_table)) == before
+        a.write("worker-0", _slots(a2.block_table), seed=3, grants=real)
+        for s in (sa, sa1, a2, sb, sb1, theirs):
+            s.free()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_block_given_to_another_tenant_is_zeroed_before_it_reads_it(stack):
+    """A's blocks, freed (uncached: a prompt of one partial block), go to B's next create:
+    B reads zeros, never A's K/V."""
+    a, b = Tenant(stack, "engine"), Tenant(stack, "api")
+    try:
+        taken = []
+        for i in range(64):       # (until B is given a block A wrote)
+            sa = a.client.create(list(range(3000 + 20 * i, 3000 + 20 * i + BS - 1)), pool="worker-0")
+            a.write("worker-0", _slots(sa.block_table)[:BS - 1], seed=7)
+            block = sa.block_table[0]
+            sa.free()
+            sb = b.client.create(list(range(9000 + 20 * i, 9000 + 20 * i + BS - 1)), pool="worker-0")
+            taken.append(sb)
+            if sb.block_table[0] == block:
+                got = b.read("worker-0", _slots([block]))
+                assert got == bytes(len(got)), "B read K/V it never wrote"
+                break
+        else:
+            pytest.fail("no block of A's went to B")
+        for s in taken:
+            s.free()
+    finally:
+        a.close()
+        b.close()
