@@ -30,8 +30,9 @@ RULES = [
     (["kvservice/common/*.py"], ("kvservice.allocator", "kvservice.engine", "kvservice.tools", "kvservice.simulate",
                                  "kvservice.client"),
      "common/ is shared by the SDK, the allocator and the workers"),
-    (["kvservice/**/*.py", "!kvservice/integrations/*.py"], ("torch", "cupy", "worker", "kernels"),
-     "nothing in kvservice imports torch, CuPy, the worker or the kernels"),
+    (["kvservice/**/*.py", "!kvservice/integrations/*.py"], ("torch", "numpy", "cupy", "worker", "kernels"),
+     "nothing in kvservice imports torch, numpy, CuPy, the worker or the kernels (the allocator's and the API's "
+     "images install the package's own dependencies only)"),
     (["kvservice/integrations/*.py"], ("cupy", "kernels", "kvservice.allocator", "kvservice.engine", "kvservice.tools",
                                        "kvservice.simulate"),
      "an integration runs in another engine's process (DESIGN §15): the SDK, the worker's store client and that "

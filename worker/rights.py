@@ -26,8 +26,15 @@ from typing import Iterable
 import numpy as np
 
 from kvservice import errors
-from kvservice.common.grants import Grant, unpack_blocks
+from kvservice.common.grants import Grant
 from kvservice.common.settings import echo
+
+
+def _ids(data: bytes, what: str) -> np.ndarray:
+    """A grant's block ids (``grants.pack_blocks``' little-endian uint32) as int64."""
+    if len(data) % 4:
+        raise errors.InvalidArgument(f"{what}: {len(data)} bytes is not a whole number of 4-byte block ids")
+    return np.frombuffer(data, dtype="<u4").astype(np.int64)
 
 
 class BlockRights:
@@ -127,8 +134,8 @@ class BlockRights:
     def _apply(self, g: Grant) -> list[int]:
         idx = self._lease(g.lease_id)
         tenant = self._tenants.setdefault(g.tenant, len(self._tenants))
-        write = self._blocks(unpack_blocks(g.write, "write_blocks"), "write_blocks")
-        read = self._blocks(unpack_blocks(g.read, "read_blocks"), "read_blocks")
+        write = self._blocks(_ids(g.write, "write_blocks"), "write_blocks")
+        read = self._blocks(_ids(g.read, "read_blocks"), "read_blocks")
         newer = write[g.serial > self._since[write]]
         content = self._content[newer]
         zero = newer[(content >= 0) & (content != tenant)].tolist()

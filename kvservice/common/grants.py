@@ -26,13 +26,13 @@ different field lists hash the same bytes; block ids travel as little-endian uin
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Sequence
-
-import numpy as np
 
 #: The grant key's length (bytes).
 KEY_BYTES = 32
@@ -41,7 +41,9 @@ MAC_BYTES = 16
 #: Domain separation of what a key signs.
 GRANT = b"kvservice grant v1"
 ORDER = b"kvservice order v1"
-_BLOCK = np.dtype("<u4")
+#: A block id in a grant: 4 bytes, little-endian (the standard library's, so that the
+#: allocator needs no numpy).
+_BLOCK = "I" if array.array("I").itemsize == 4 else "L"
 
 
 def new_key() -> bytes:
@@ -51,21 +53,30 @@ def new_key() -> bytes:
 
 def pack_blocks(blocks: Iterable[int]) -> bytes:
     """Block ids as the bytes a grant carries (little-endian uint32)."""
-    arr = np.fromiter(blocks, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= 1 << 32):
+    try:
+        arr = array.array(_BLOCK, blocks)
+    except OverflowError:
+        raise ValueError("a block id is out of 0 .. 2^32 - 1") from None
+    if arr.itemsize != 4 or (arr and max(arr) >= 1 << 32):
         raise ValueError("a block id is out of 0 .. 2^32 - 1")
-    return arr.astype(_BLOCK).tobytes()
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
 
 
-def unpack_blocks(data: bytes, what: str = "blocks") -> np.ndarray:
-    """The block ids of ``pack_blocks``'s bytes (int64).
+def unpack_blocks(data: bytes, what: str = "blocks") -> array.array:
+    """The block ids of ``pack_blocks``'s bytes.
 
     Raises:
         ValueError: not a whole number of ids.
     """
-    if len(data) % _BLOCK.itemsize:
+    if len(data) % 4:
         raise ValueError(f"{what}: {len(data)} bytes is not a whole number of 4-byte block ids")
-    return np.frombuffer(data, dtype=_BLOCK).astype(np.int64)
+    arr = array.array(_BLOCK)
+    arr.frombytes(data)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr
 
 
 def _mac(key: bytes, domain: bytes, fields: Sequence[int | str | bytes]) -> bytes:
