@@ -366,8 +366,8 @@ class RunOps:
         out = {"epoch": epoch, "updates": out_updates, "created": [_record(c) for c in created], "copies": copies,
                "tier_orders": list(last.get("tier_orders") or []) if last is not None else [],
                "generation": last["generation"] if last is not None else await self.store.generation(pool_id),
-               # (read after its last part: the lease holds every block of the step now)
-               "serial": await self.store.version(pool_id)}
+               # (the last script's, or read after it: the lease holds every block of the step by then)
+               "serial": last["serial"] if last is not None and "serial" in last else await self.store.version(pool_id)}
         if request_id:
             await self.store.remember(pool_id, request_id, digest, out, self._request_ttl_ms())
         return out
