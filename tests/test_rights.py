@@ -152,6 +152,9 @@ def test_dead_leases_a_new_epoch_and_an_unregistered_pool():
     unregistered.check("anyone", write=[1], read=[2])     # (no key yet: nothing to check against)
     with pytest.raises(errors.InvalidArgument, match="out of range"):
         admit(table(), grant("A", "a", 1, write=[64]))
+    malformed = dataclasses.replace(grant("A", "a", 1), write=b"\x01\x02\x03").signed(KEY)   # (signed, but 3 bytes)
+    with pytest.raises(errors.InvalidArgument, match="4-byte"):
+        admit(table(), malformed)
 
 
 def test_a_registration_hands_its_epoch_s_grant_key_to_the_pool_s_worker_only(redis_url):
