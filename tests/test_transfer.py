@@ -444,6 +444,23 @@ def test_a_dead_source_fails_every_block_and_writes_none(stack, pair):
         stack.workers[0].start()
         epoch = _stub(stack, "worker-0")[1].Describe(pb.DescribeWorkerRequest(), timeout=10).epoch
         assert wait_for(lambda: any(p.pool_id == "worker-0" and p.epoch == epoch for p in pair.client.pools()))
+        _until_worker_1_fetches_from_worker_0(stack)
+
+
+def _until_worker_1_fetches_from_worker_0(stack: Stack) -> None:
+    """Waits until worker-1 reaches the restarted worker-0 (its channel's reconnect backoff
+    over), so that the module's next test finds both as a fresh stack would."""
+    p = Pair(stack)
+    try:
+        src = p.client.create(list(range(40001, 40001 + BS)), pool="worker-0")
+        dst = p.client.create(list(range(41001, 41001 + BS)), pool="worker-1")
+        p.write("worker-0", list(src.block_table), seed=13)
+        one = [pb.BlockFetch(src_tier=0, src=src.block_table[0], dst=dst.block_table[0])]
+        assert wait_for(lambda: p.fetch(one).results[0].ok, timeout=30)
+        src.free()
+        dst.free()
+    finally:
+        p.close()
 
 
 def test_fetches_complete_with_the_source_s_bytes_while_others_write_the_staging_file(stack, pair):
@@ -455,9 +472,6 @@ def test_fetches_complete_with_the_source_s_bytes_while_others_write_the_staging
     dst = pair.client.create(list(range(5000, 5000 + 8 * BS)), pool="worker-1")
     pair.write("worker-0", list(src.block_table), seed=11)
     expected = {s: pair.read("worker-0", s) for s in src.block_table}
-    # (worker-1 reaches worker-0 again: another test of the module restarts it)
-    one = [pb.BlockFetch(src_tier=0, src=src.block_table[0], dst=dst.block_table[0])]
-    assert wait_for(lambda: pair.fetch(one).results[0].ok, timeout=30)
     directory = "/dev/shm"
     pattern = f"{directory}/{STAGING_PREFIX}{stack.workers[1].proc.pid}-*"
     stop, scribbles = threading.Event(), [0]
