@@ -1,6 +1,11 @@
-"""Multi-turn chats over SmolLM2 for the engine tests (lower tiers, fetches): each turn's
-prompt is the last one, its answer and a new question; every answer is checked against
-transformers' greedy ``generate`` (tokens, and logits within ``ATOL``)."""
+"""Multi-turn chats for the engine tests (lower tiers, fetches): each turn's prompt is the
+last one, its answer and a new question; every answer is checked against transformers'
+greedy ``generate`` (tokens, and logits within ``ATOL``).
+
+Over SmolLM2 (``SMOLLM2``) the chats are text, rendered by the model's chat template; over
+a seeded preset (``TINY``: no tokenizer, a fraction of SmolLM2's compute, for the tests
+of the mechanisms rather than of the model) the same texts become token ids, one per word
+(``words``), so that prompts and turns have about SmolLM2's lengths in tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import hashlib
 import os
 import tempfile
 import urllib.request
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -15,12 +22,39 @@ import torch
 
 from kvservice.engine import Engine, Request
 from kvservice.engine.text import Message
+from worker import weights
 
-NAME = "smollm2-135m"
 STEPS = 8
 ATOL = 1e-3
-#: SmolLM2's block of 16 tokens: 2 (K, V) x 30 layers x 3 KV heads x 16 x 64 x 4 bytes.
-BLOCK_BYTES = 2 * 30 * 3 * 16 * 64 * 4
+
+
+@dataclass(frozen=True)
+class ChatModel:
+    """A worker preset the chats run on."""
+
+    name: str
+    #: Its block of 16 tokens on a worker: 2 (K, V) x layers x KV heads x 16 x head_dim x 4 bytes.
+    block_bytes: int
+
+    def reference(self):
+        """transformers' model with the workers' weights."""
+        if self.name in weights.PRETRAINED:
+            return weights.load(self.name)
+        from worker.model import build_model
+        from worker_helpers import transformers_twin
+        return transformers_twin(build_model(self.name, 0))
+
+    def tier_gb(self, entries: int) -> str:
+        """A tier size (``--host-tier-gb``, ``--disk-tier-gb``) of ``entries`` blocks."""
+        return f"{entries * self.block_bytes / 1e9:.9f}"
+
+
+SMOLLM2 = ChatModel("smollm2-135m", 2 * 30 * 3 * 16 * 64 * 4)
+TINY = ChatModel("tiny-llama", 2 * 2 * 2 * 16 * 64 * 4)
+NAME = SMOLLM2.name
+BLOCK_BYTES = SMOLLM2.block_bytes
+#: The token ids ``words`` gives (``TINY``'s vocabulary is 512): 0..3 mark the roles.
+_WORD_IDS = range(4, 512)
 SYSTEMS = ["You are a careful assistant for a public library. Answer in plain words, at most two sentences, and "
            "say so when you do not know. Never invent titles, authors or dates; suggest asking a librarian instead.",
            "You are a terse assistant for a bicycle repair shop. Give the one most likely cause and the one next "
@@ -48,7 +82,8 @@ def greedy(reference, prompt: list[int], steps: int = STEPS) -> tuple[list[int],
     run: many tests ask for the same chats, so the answer is kept in the run's model cache
     ($KVSERVICE_MODEL_CACHE, one folder that every test process of the run shares; written
     to a temporary file and renamed, so a reader never sees half of one)."""
-    key = hashlib.sha256(repr((reference.config._name_or_path, steps, list(prompt))).encode()).hexdigest()
+    model = (reference.config._name_or_path, reference.config.to_json_string(use_diff=False))
+    key = hashlib.sha256(repr((model, steps, list(prompt))).encode()).hexdigest()
     folder = Path(os.environ.get("KVSERVICE_MODEL_CACHE") or tempfile.gettempdir()) / "greedy-references"
     path = folder / f"{key}.pt"
     if path.is_file():
@@ -83,8 +118,7 @@ def turns(engine: Engine, reference, conversations: int, turns: int, check=None,
     against transformers' greedy ``generate``. ``pool(conversation, turn)``: the pool of
     that turn's request ("" or None: placed). Returns the reports."""
     tok = engine.tokenizer
-    prompts = [tok.chat_prompt([Message("system", systems[i % len(systems)]),
-                                Message("user", QUESTIONS[i % len(QUESTIONS)])])
+    prompts = [chat_prompt(tok, systems[i % len(systems)], QUESTIONS[i % len(QUESTIONS)])
                for i in range(conversations)]
     reports = []
     for t in range(turns):
@@ -98,8 +132,26 @@ def turns(engine: Engine, reference, conversations: int, turns: int, check=None,
             assert_greedy(reference, p, c)
         reports.append(report)
         follow = FOLLOW_UPS[t % len(FOLLOW_UPS)]
-        prompts = [p + c.outputs[0] + tok.encode(f"\nuser: {follow}\nassistant:")
-                   for p, c in zip(prompts, report.completions)]
+        asked = encode(tok, f"\nuser: {follow}\nassistant:")
+        prompts = [p + c.outputs[0] + asked for p, c in zip(prompts, report.completions)]
     return reports
 
 
+def words(text: str) -> list[int]:
+    """``text`` as token ids for a seeded preset: one per 4 characters of each word (about
+    as many as SmolLM2's tokenizer makes), the same word the same ids."""
+    return [_WORD_IDS[zlib.crc32(f"{w}/{i}".encode()) % len(_WORD_IDS)]
+            for w in text.split() for i in range(0, len(w), 4)]
+
+
+def chat_prompt(tok, system: str, user: str) -> list[int]:
+    """A chat's prompt: by the model's chat template, or (``tok`` None: a seeded preset)
+    role marks 0, 1, 2 around ``words``."""
+    if tok is None:
+        return [0, *words(system), 1, *words(user), 2]
+    return tok.chat_prompt([Message("system", system), Message("user", user)])
+
+
+def encode(tok, text: str) -> list[int]:
+    """``text``'s token ids: by the model's tokenizer, or (``tok`` None) ``words``."""
+    return words(text) if tok is None else tok.encode(text)

@@ -1,16 +1,18 @@
-"""Fetches between workers (DESIGN §13) through the engine over two SmolLM2 workers: each
+"""Fetches between workers (DESIGN §13) through the engine over two workers: each
 conversation's turns alternate between the workers; every answer equals transformers'
 (tokens, and logits within 1e-3), and from the second turn on a turn computes only what
 the last one did not hold (its new question, the last answer's partial block), the rest
 fetched from the other worker; without fetches the second turn computes its whole prompt.
 The source worker killed mid-run: its blocks are recomputed, nothing wrong is served, and
-no pin outlives its deadline."""
+no pin outlives its deadline. Prefill and decode on two SmolLM2 workers; the tests of the
+fetches' mechanisms on a seeded preset (``chats.TINY``: the same paths at a fraction of
+SmolLM2's compute)."""
 
 from __future__ import annotations
 
 import pytest
 
-from chats import NAME, STEPS, assert_greedy, metric, turns
+from chats import NAME, STEPS, TINY, assert_greedy, chat_prompt, encode, metric, turns
 from kvservice.engine import Engine
 from kvservice.tools.launcher import Stack
 from worker import weights
@@ -32,9 +34,14 @@ def reference(smollm2_cache):
     return weights.load(NAME)
 
 
+@pytest.fixture(scope="session")
+def tiny():
+    return TINY.reference()
+
+
 @pytest.fixture(scope="module")
-def stack(smollm2_cache):
-    with Stack(2, model=NAME, block_size=BLOCK, num_blocks=512) as s:
+def stack():
+    with Stack(2, model=TINY.name, block_size=BLOCK, num_blocks=512) as s:
         yield s
 
 
@@ -56,7 +63,8 @@ def _not_held(last, report) -> int:
                for p, c in zip(last.completions, report.completions))
 
 
-def test_turns_alternating_between_workers_fetch_their_history_and_equal_transformers(stack, reference):
+def test_turns_alternating_between_workers_fetch_their_history_and_equal_transformers(stack, tiny):
+    reference = tiny
     with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
         reports = turns(engine, reference, conversations=2, turns=4, pool=_alternate(stack), systems=DOCUMENTS[:2])
     shares = [_computed(r) for r in reports]
@@ -74,7 +82,8 @@ def test_turns_alternating_between_workers_fetch_their_history_and_equal_transfo
     assert stack.audit().ok
 
 
-def test_without_fetches_the_second_turn_computes_its_whole_prompt(stack, reference):
+def test_without_fetches_the_second_turn_computes_its_whole_prompt(stack, tiny):
+    reference = tiny
     with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False) as engine:
         reports = turns(engine, reference, conversations=2, turns=2, pool=_alternate(stack), systems=DOCUMENTS[2:])
     shares = [_computed(r) for r in reports]
@@ -82,7 +91,7 @@ def test_without_fetches_the_second_turn_computes_its_whole_prompt(stack, refere
     assert shares == [1.0, 1.0] and sum(r.fetched_blocks for r in reports) == 0
 
 
-def test_blocks_not_written_yet_are_not_fetched(stack, reference):
+def test_blocks_not_written_yet_are_not_fetched(stack, tiny):
     """Blocks get their hashes at create, before a forward writes them. Three requests on a
     new system prompt: the first and second (which extends the first's prompt) on worker 0
     in one step; the second reads the first's blocks, so its prompt waits a step, and its
@@ -90,15 +99,15 @@ def test_blocks_not_written_yet_are_not_fetched(stack, reference):
     1) is created in that next step, before that forward: the blocks that live sequences
     hold in worker 0 are not offered for a fetch (scripts/pin.lua), so worker 1 computes
     the prompt, and every answer equals transformers'."""
+    reference = tiny
     from kvservice.engine import Request
-    from kvservice.engine.text import Message
 
     pools = [w.pool_id for w in stack.workers]
     with Engine(stack.target, credentials=stack.credentials("engine")) as engine:
         tok = engine.tokenizer
-    first = tok.chat_prompt([Message("system", DOCUMENTS[4]), Message("user", "Which shelf holds rule 3?")])
-    second = first + tok.encode(" The rules of branch 4 apply to every member, old and new alike.")
-    third = second + tok.encode(" How many coins for rule 9?" * 3)
+    first = chat_prompt(tok, DOCUMENTS[4], "Which shelf holds rule 3?")
+    second = first + encode(tok, " The rules of branch 4 apply to every member, old and new alike.")
+    third = second + encode(tok, " How many coins for rule 9?" * 3)
     # (the first two prompts fill a step's prompt budget: the third waits for the next step)
     with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True,
                 max_prefill_tokens=len(first) + len(second)) as engine:
@@ -112,23 +121,22 @@ def test_blocks_not_written_yet_are_not_fetched(stack, reference):
     assert stack.audit().ok
 
 
-def test_a_prompt_its_worker_never_wrote_loses_its_hashes(stack, reference):
+def test_a_prompt_its_worker_never_wrote_loses_its_hashes(stack, tiny):
     """Blocks get their hashes at create, before the forward writes them. Worker 0 stopped
     (SIGSTOP) as a prompt is created there: its step fails past the deadline, the request is
     computed on worker 1 instead, and the allocator forgets the hashes of the blocks worker
     0 never wrote (SettleTiers forget_blocks), so that no create hits them there and none
     fetches them (worker 0, running again, would serve whatever they hold)."""
+    reference = tiny
     import os
     import signal
 
     from kvservice.client import Client
     from kvservice.engine import Request
-    from kvservice.engine.text import Message
 
     stopped = stack.workers[0]
     with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, timeout=15.0) as engine:
-        prompt = engine.tokenizer.chat_prompt([Message("system", DOCUMENTS[5]),
-                                               Message("user", "Which rules cover shelf 12?")])
+        prompt = chat_prompt(engine.tokenizer, DOCUMENTS[5], "Which rules cover shelf 12?")
         os.kill(stopped.proc.pid, signal.SIGSTOP)
         try:
             report = engine.run([Request(prompt, max_new_tokens=STEPS, ignore_eos=True, pool=stopped.pool_id)])
@@ -146,11 +154,12 @@ def test_a_prompt_its_worker_never_wrote_loses_its_hashes(stack, reference):
     assert stack.audit().ok
 
 
-def test_a_source_killed_mid_fetch_is_recomputed_and_leaves_no_pin(reference):
+def test_a_source_killed_mid_fetch_is_recomputed_and_leaves_no_pin(tiny):
     """Each conversation's turn 1 on one worker, turn 2 on the other; worker 0 stopped
     (SIGSTOP) as turn 2 starts, so the fetch of worker 1 from it waits on it, and SIGKILLed
     a moment later. The blocks that did not arrive are recomputed (and the turn that was to
     run on worker 0 runs on worker 1): every answer equals transformers'."""
+    reference = tiny
     import os
     import signal
     import threading
@@ -159,7 +168,7 @@ def test_a_source_killed_mid_fetch_is_recomputed_and_leaves_no_pin(reference):
     from helpers import sync_redis
     from kvservice.allocator import keys
 
-    with Stack(2, model=NAME, block_size=BLOCK, num_blocks=512) as stack, \
+    with Stack(2, model=TINY.name, block_size=BLOCK, num_blocks=512) as stack, \
             Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
         source = stack.workers[0]
 

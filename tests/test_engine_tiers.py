@@ -1,8 +1,10 @@
-"""The engine over SmolLM2 workers whose device pools are far smaller than the working
-set, with lower tiers (DESIGN §12): a multi-turn workload's greedy outputs equal
-transformers', its prompts are loaded rather than recomputed; a host-tier block with a
-flipped byte fails its load and is recomputed; a disk tier outlives its worker. (The
-engines keep to each pool's own cache, fetches off: the tiers alone are under test.)"""
+"""The engine over workers whose device pools are far smaller than the working set, with
+lower tiers (DESIGN §12): a multi-turn workload's greedy outputs equal transformers', its
+prompts are loaded rather than recomputed; a host-tier block with a flipped byte fails its
+load and is recomputed (over SmolLM2); a disk tier outlives its worker. (The engines keep
+to each pool's own cache, fetches off: the tiers alone are under test. The tests of the
+tiers' mechanisms run a seeded preset, ``chats.TINY``: the same paths at a fraction of
+SmolLM2's compute.)"""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 
 import pytest
 
-from chats import BLOCK_BYTES, NAME, metric, turns
+from chats import BLOCK_BYTES, NAME, TINY, metric, turns
 from helpers import wait_for
 from kvservice.engine import Engine
 from kvservice.tools.launcher import Stack
@@ -26,8 +28,15 @@ def reference(smollm2_cache):
     return weights.load(NAME)
 
 
-def test_small_device_pools_with_a_host_tier_equal_transformers_and_compute_fewer_prompt_tokens(reference):
-    with Stack(2, model=NAME, block_size=16, num_blocks=24, worker_args=("--host-tier-gb", "0.2")) as stack, \
+@pytest.fixture(scope="session")
+def tiny():
+    return TINY.reference()
+
+
+def test_small_device_pools_with_a_host_tier_equal_transformers_and_compute_fewer_prompt_tokens(tiny):
+    reference = tiny
+    with Stack(2, model=TINY.name, block_size=16, num_blocks=24,
+               worker_args=("--host-tier-gb", TINY.tier_gb(271))) as stack, \
             Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False) as engine:
         reports = turns(engine, reference, conversations=8, turns=4)
         prompt = [sum(c.num_prompt_tokens for c in r.completions) for r in reports]
@@ -82,7 +91,7 @@ def test_a_flipped_byte_in_a_host_tier_block_fails_its_load_which_is_recomputed(
         assert stack.audit().ok
 
 
-def test_a_worker_killed_while_offloading_leaves_no_hit_on_an_unconfirmed_entry(reference, tmp_path):
+def test_a_worker_killed_while_offloading_leaves_no_hit_on_an_unconfirmed_entry(tiny, tmp_path):
     """After each step (once armed) both workers are stopped; if the next step's orders
     leave copies pending (the workers cannot run them), both are SIGKILLed with those copies
     unconfirmed and started again (new epochs); otherwise they go on. Every output still
@@ -92,10 +101,12 @@ def test_a_worker_killed_while_offloading_leaves_no_hit_on_an_unconfirmed_entry(
     import threading
 
     from kvservice.client import Client
-    args = ("--host-tier-gb", "0.02", "--disk-tier-dir", str(tmp_path), "--disk-tier-gb", "0.2")
+    reference = tiny
+    args = ("--host-tier-gb", TINY.tier_gb(27), "--disk-tier-dir", str(tmp_path), "--disk-tier-gb", TINY.tier_gb(271))
     killed: list[int] = []
+    watchers: list[threading.Thread] = []
     armed = threading.Event()
-    with Stack(2, model=NAME, block_size=16, num_blocks=24, worker_args=args,
+    with Stack(2, model=TINY.name, block_size=16, num_blocks=24, worker_args=args,
                allocator_args=("--placement-silence", "2")) as stack, \
             Client(stack.target, credentials=stack.credentials("admin")) as admin:
 
@@ -120,12 +131,15 @@ def test_a_worker_killed_while_offloading_leaves_no_hit_on_an_unconfirmed_entry(
             if armed.is_set() and not killed:
                 for w in stack.workers:
                     os.kill(w.proc.pid, signal.SIGSTOP)
-                threading.Thread(target=watch, daemon=True).start()
+                watchers.append(threading.Thread(target=watch, daemon=True))
+                watchers[-1].start()
 
         with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True, fetch=False,
                     progress=after_step) as engine:
             reports = turns(engine, reference, conversations=8, turns=4,
                              check=lambda turn: armed.set() if turn == 2 else None)
+        for t in watchers:            # (the workers it restarted are serving again)
+            t.join(timeout=60)
         assert killed and killed[0] > 0, "no worker was killed with copies pending"
         assert sum(r.worker_failures for r in reports) >= 1
         assert sum(r.loaded_blocks for r in reports[3:]) > 0
@@ -136,10 +150,11 @@ def test_a_worker_killed_while_offloading_leaves_no_hit_on_an_unconfirmed_entry(
         assert stack.audit().ok
 
 
-def test_disk_tier_entries_survive_a_restart_of_their_worker(reference, tmp_path):
+def test_disk_tier_entries_survive_a_restart_of_their_worker(tiny, tmp_path):
     from kvservice.client import Client
-    args = ("--host-tier-gb", "0.005", "--disk-tier-dir", str(tmp_path), "--disk-tier-gb", "0.2")
-    with Stack(1, model=NAME, block_size=16, num_blocks=24, worker_args=args) as stack, \
+    reference = tiny
+    args = ("--host-tier-gb", TINY.tier_gb(6), "--disk-tier-dir", str(tmp_path), "--disk-tier-gb", TINY.tier_gb(271))
+    with Stack(1, model=TINY.name, block_size=16, num_blocks=24, worker_args=args) as stack, \
             Client(stack.target, credentials=stack.credentials("admin")) as admin:
         worker = stack.workers[0]
 
