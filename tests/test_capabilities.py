@@ -155,6 +155,25 @@ def test_another_tenant_touches_no_block_of_a_lease_through_any_worker_call(stac
         old = dataclasses.replace(Grant.from_pb(other_pool[0]), pool_id="worker-0", epoch=epoch - 1)
         _refused(lambda: b.write("worker-0", _slots(ab[:1]), seed=9, grants=[old.to_pb(apb)]),
                  grpc.StatusCode.FAILED_PRECONDITION)
+        # The confused deputy: B has worker-0 fetch A's blocks of worker-1 into B's own block
+        # (its grant is good): worker-1 serves no block without the allocator's fetch order.
+        b_own = b.read("worker-0", _slots(bb[:1]))
+        deputy = w0.FetchBlocks(pb.FetchBlocksRequest(
+            epoch=epoch, lease_id=b.lease, generation=gen, source_pool_id="worker-1", source_epoch=b.epochs["worker-1"],
+            fetches=[pb.BlockFetch(src=s, dst=d) for s, d in zip(sa1.block_table, bb)]), timeout=10)
+        assert not any(r.ok for r in deputy.results) and "fetch order" in deputy.results[0].error, deputy.results[0]
+        assert b.read("worker-0", _slots(bb[:1])) == b_own
+        # A worker's own credentials pull A's blocks directly: no order, nothing served (the
+        # worker-0 identity naming itself as the destination, or naming none).
+        ch = stack.credentials("worker-0").channel(stack.workers[1].target)
+        try:
+            for dst in ("worker-0", ""):
+                details = _refused(lambda: list(pb_grpc.WorkerStub(ch).PullBlocks(pb.PullBlocksRequest(
+                    pool_id="worker-1", epoch=b.epochs["worker-1"], dst_pool_id=dst,
+                    blocks=[pb.BlockRef(index=x) for x in sa1.block_table]), timeout=10)))
+                assert "fetch order" in details or "may not pull" in details, details
+        finally:
+            ch.close()
         text = urllib.request.urlopen(stack.workers[0].metrics_url, timeout=10).read().decode()
         counts = {line.split('result="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
                   if line.startswith("kvservice_worker_grants_total{")}

@@ -16,10 +16,12 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from helpers import wait_for
+from helpers import sync_redis, wait_for
 
 from kvservice import errors
+from kvservice.allocator import keys
 from kvservice.client import Client
+from kvservice.common.grants import order_mac, pull_fields
 from kvservice.tools.launcher import Stack
 from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
@@ -275,10 +277,27 @@ def _stub(stack: Stack, pool: str, who: str = "engine") -> tuple[grpc.Channel, p
     return channel, pb_grpc.WorkerStub(channel)
 
 
+def ordered(stack: Stack, items: list, source: str = "worker-0", dst: str = "worker-1", serial: int | None = None):
+    """``items`` (``BlockFetch``es or ``BlockRef``s of pool ``source``) with fetch orders to
+    pool ``dst`` signed as the allocator signs them (its grant key of ``source``, read from
+    Redis; the pool's serial now, or ``serial``): the tests here name blocks directly, where
+    the engine runs the allocator's orders (tests/test_engine_fetch.py)."""
+    with sync_redis(stack.redis.admin_url) as r:
+        epoch, key = r.hmget(keys.pool_key(source, "meta"), ["epoch", "grant_key"])
+        now = int(r.hget(keys.pool_key(source, "state"), "version") or 0)
+    for item in items:
+        tier, index = (item.src_tier, item.src) if isinstance(item, pb.BlockFetch) else (item.tier, item.index)
+        item.pull_serial = now if serial is None else serial
+        item.order_mac = order_mac(bytes.fromhex(key.decode()), "pull", pull_fields(
+            source, int(epoch), dst, item.pull_serial, tier, index, item.block_hash))
+    return items
+
+
 class Pair:
     """A client, and a stub of each worker with each pool's epoch."""
 
     def __init__(self, stack: Stack) -> None:
+        self.stack = stack
         self.client = Client(stack.target, credentials=stack.credentials("engine"))
         self.channels, self.stubs, self.epochs = [], {}, {}
         for pool in ("worker-0", "worker-1"):
@@ -313,10 +332,11 @@ class Pair:
         return out
 
     def fetch(self, fetches: list[pb.BlockFetch], **kw) -> pb.FetchBlocksResponse:
+        """Worker-1 fetches from worker-0, each block with its order (``ordered``)."""
         request = pb.FetchBlocksRequest(epoch=self.epochs["worker-1"], lease_id=self.client.lease_id,
                                         generation=self.generations["worker-1"], source_pool_id="worker-0",
-                                        source_epoch=self.epochs["worker-0"], chunk_bytes=CHUNK, fetches=fetches,
-                                        grants=self.grants("worker-1"))
+                                        source_epoch=self.epochs["worker-0"], chunk_bytes=CHUNK,
+                                        fetches=ordered(self.stack, fetches), grants=self.grants("worker-1"))
         for k, v in kw.items():
             setattr(request, k, v)
         return self.stubs["worker-1"].FetchBlocks(request, timeout=30)
@@ -411,16 +431,34 @@ def test_a_stale_source_epoch_a_bad_request_and_an_engine_pulling_directly_are_r
     with pytest.raises(grpc.RpcError) as info:
         pair.fetch([pb.BlockFetch(src_tier=0, src=0, dst=32)])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in info.value.details()
-    pull = pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"], blocks=[pb.BlockRef(index=0)])
+    pull = pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"], dst_pool_id="worker-1",
+                                blocks=ordered(stack, [pb.BlockRef(index=0)]))
     for who in ("engine", "admin"):
         ch, stub = _stub(stack, "worker-0", who)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.PullBlocks(pull, timeout=10))
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, who
         ch.close()
-    ch, stub = _stub(stack, "worker-0", "worker-1")          # (another worker's identity: served)
+    ch, stub = _stub(stack, "worker-0", "worker-1")          # (the order's pool's worker: served)
     chunks = list(stub.PullBlocks(pull, timeout=10))
     assert sum(len(p.data) for c in chunks for p in c.pieces) == 131_072
+    # Refused: no order, a forged one, another block's, an order for another pool, another
+    # pool's worker presenting it, an order older than the block's last writer.
+    forged = pb.BlockRef(index=0, order_mac=bytes(16), pull_serial=pull.blocks[0].pull_serial)
+    other_block = pb.BlockRef(index=1, order_mac=pull.blocks[0].order_mac, pull_serial=pull.blocks[0].pull_serial)
+    written = pair.client.create(list(range(31001, 31001 + BS)), pool="worker-0")
+    pair.write("worker-0", list(written.block_table), seed=17)      # (its grant: a newer serial)
+    old_order = ordered(stack, [pb.BlockRef(index=written.block_table[0])], serial=1)
+    for blocks, dst, words in (([pb.BlockRef(index=0)], "worker-1", "no fetch order"),
+                               ([forged], "worker-1", "no fetch order"), ([other_block], "worker-1", "no fetch order"),
+                               (ordered(stack, [pb.BlockRef(index=0)], dst="worker-9"), "worker-9", "may not pull"),
+                               (pull.blocks, "worker-9", "may not pull"), (old_order, "worker-1", "older than")):
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.PullBlocks(pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"],
+                                                      dst_pool_id=dst, blocks=blocks), timeout=10))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and words in info.value.details(), \
+            (words, info.value.details())
+    written.free()
     stale = pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"] + 1, blocks=[pb.BlockRef()])
     with pytest.raises(grpc.RpcError) as info:
         list(stub.PullBlocks(stale, timeout=10))
@@ -501,7 +539,8 @@ def test_fetches_complete_with_the_source_s_bytes_while_others_write_the_staging
             files = [os.path.basename(p) for p in glob.glob(pattern)]
             for name in files:            # (the foreign pull: the name, not the stream's token)
                 pull = pb.PullBlocksRequest(pool_id="worker-0", epoch=pair.epochs["worker-0"], staging=name,
-                                            staging_token=os.urandom(16), blocks=[pb.BlockRef(index=0)])
+                                            staging_token=os.urandom(16), dst_pool_id="worker-1",
+                                            blocks=ordered(stack, [pb.BlockRef(index=0)]))
                 foreign_staged += sum(p.staged for c in worker_stub.PullBlocks(pull, timeout=10) for p in c.pieces)
             reply = pair.fetch([pb.BlockFetch(src_tier=0, src=s, dst=d)
                                 for s, d in zip(src.block_table, dst.block_table)])

@@ -117,9 +117,11 @@ def test_every_worker_method_refuses_callers_without_an_identity_or_of_the_wrong
                         assert info.value.code() == code, (who, method, info.value.details())
                 finally:
                     ch.close()
-            ch, stub = _worker(stack, "worker-0")
+            ch, stub = _worker(stack, "worker-0")     # (the role passes; a pull the allocator never ordered does not)
             try:
-                assert len(_call(stub, "PullBlocks", requests["PullBlocks"])) == 1
+                with pytest.raises(grpc.RpcError) as info:
+                    _call(stub, "PullBlocks", requests["PullBlocks"])
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "fetch order" in info.value.details()
             finally:
                 ch.close()
             plaintext = grpc.insecure_channel(stack.workers[0].target)

@@ -26,7 +26,7 @@ from typing import Iterable
 import numpy as np
 
 from kvservice import errors
-from kvservice.common.grants import Grant
+from kvservice.common.grants import Grant, order_valid, pull_fields
 from kvservice.common.settings import echo
 
 
@@ -197,6 +197,28 @@ class BlockRights:
         return (f"{what}: {lease} may not {right} block {block} of pool {self.pool_id}: no grant of the allocator "
                 f"gives it that block (it was never granted to the lease, or has been granted to another since); "
                 f"send the grants the allocator returned with the blocks")
+
+    def pull_refusal(self, dst_pool: str, epoch: int, blocks: Iterable) -> str:
+        """Why a pull of ``blocks`` (``BlockRef``s) of this pool at ``epoch`` for pool
+        ``dst_pool`` is refused ("" when it is not): a block whose fetch order (its MAC under
+        this pool's key over ``grants.pull_fields``) is missing or not the allocator's, or
+        a device block that a writer was granted after the order's serial (it may hold other
+        bytes than the ones the order was for). A refused pull serves nothing."""
+        if not self.enforced:
+            return ""
+        for i, b in enumerate(blocks):
+            fields = pull_fields(self.pool_id, epoch, dst_pool, b.pull_serial, b.tier, b.index, b.block_hash)
+            if not order_valid(self._key, "pull", fields, b.order_mac):
+                self.refused += 1
+                return (f"blocks[{i}] ({'device block' if b.tier == 0 else 'entry'} {b.index} of tier {b.tier}) has no "
+                        f"fetch order of the allocator for pool {echo(dst_pool) or '(none)'} from pool {self.pool_id} "
+                        f"at epoch {epoch} (a pull names only the blocks its fetch orders name, with their order_mac)")
+            if b.tier == 0 and 0 <= b.index < self.num_blocks and self._since[b.index] > b.pull_serial:
+                self.denied += 1
+                return (f"blocks[{i}] (device block {b.index}): its fetch order is older than the block's last grant "
+                        f"to a writer (serial {b.pull_serial} < {int(self._since[b.index])}): the block may hold "
+                        f"other bytes now; fetch it again with a new order")
+        return ""
 
     def forget(self, lease_ids: Iterable[str]) -> None:
         """Drops dead leases (their blocks go to others with newer grants)."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvservice import errors
 from kvservice.common.auth import caller
+from kvservice.common.settings import echo
 from kvservice.v1 import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
 from worker import tensors
 from worker.fence import LeaseFence
@@ -198,7 +199,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             why = f"{type(exc).__name__}: {exc}"
             return pb.FetchBlocksResponse(results=[pb.MoveResult(ok=False, error=why)] * n)
         pull = pb.PullBlocksRequest(pool_id=request.source_pool_id, epoch=request.source_epoch, chunk_bytes=chunk,
-                                    blocks=[pb.BlockRef(tier=f.src_tier, index=f.src, block_hash=f.block_hash)
+                                    dst_pool_id=self.pool_id,
+                                    blocks=[pb.BlockRef(tier=f.src_tier, index=f.src, block_hash=f.block_hash,
+                                                        order_mac=f.order_mac, pull_serial=f.pull_serial)
                                             for f in request.fetches])
         done = await transfer.fetch(self.sources.transport, address, pull, self.pool,
                                     [f.dst for f in request.fetches], self.sources.staging)
@@ -214,6 +217,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if len(request.blocks) > transfer.MAX_BLOCKS:
             raise errors.InvalidArgument(f"at most {transfer.MAX_BLOCKS} blocks per call, got {len(request.blocks)}")
         chunk = transfer.check_chunk_bytes(request.chunk_bytes)
+        self._check_pull(request)
         blocks = [(b.tier, b.index, b.block_hash) for b in request.blocks]
         sent = 0
         pool = self.pool if self.pool.epoch > 0 else None     # (unregistered: every block fails in _read)
@@ -228,6 +232,31 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sent += len(message) if staging is None else bpb * sum(p.staged for p in transfer.decode(message))
         if self.sources is not None:
             self.sources.served(len(blocks), sent)
+
+    def _check_pull(self, request: pb.PullBlocksRequest) -> None:
+        """A pull serves only blocks the allocator ordered to the caller's pool: each block
+        carries the fetch order's MAC under this pool's grant key (``grants.pull_fields``),
+        the order names the pool the caller authenticates as (a worker's identity is its
+        pool), and a device block granted to a writer after the order's serial is not served
+        (it may hold another lease's bytes by then).
+
+        Raises:
+            PermissionDenied: a caller other than a worker, another pool's worker than the
+                order's, or a block without a valid order (the first one is named).
+        """
+        rights = self.fence.rights
+        if rights is None or not rights.enforced:
+            return                      # (a worker with no allocator: nothing to check against)
+        ident = caller()
+        dst = request.dst_pool_id
+        if ident is not None and (ident.role != "worker" or ident.name != dst):
+            who = f"{ident.role} {echo(ident.name)}"
+            raise errors.PermissionDenied(f"PullBlocks: {who} may not pull blocks of pool {self.pool_id} for pool "
+                                          f"{echo(dst) or '(none)'}: a pull is made by the worker of the pool that a "
+                                          f"fetch order of the allocator names")
+        denied = rights.pull_refusal(dst, request.epoch, request.blocks)
+        if denied:
+            raise errors.PermissionDenied(f"PullBlocks: {denied}")
 
     async def WriteBlocks(self, requests: AsyncIterator[pb.WriteBlocksRequest], context: Any) -> pb.WriteBlocksResponse:
         first = await anext(requests, None)

@@ -65,10 +65,12 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
 
 def tier_order_to_pb(o: tuple) -> pb.TierOrder:
     """(pool, epoch, src_tier, src, dst_tier, dst, block hash[, source pool, source epoch,
-    pin id]) as a TierOrder (a fetch with the last three)."""
+    pin id, pull serial[, order MAC]]) as a TierOrder (a fetch with the last ones)."""
     out = pb.TierOrder(pool_id=o[0], epoch=o[1], src_tier=o[2], src=o[3], dst_tier=o[4], dst=o[5], block_hash=o[6])
     if len(o) > 7:
-        out.source_pool_id, out.source_epoch, out.pin_id = o[7], o[8], o[9]
+        out.source_pool_id, out.source_epoch, out.pin_id, out.pull_serial = o[7], o[8], o[9], o[10]
+        if len(o) > 11:
+            out.order_mac = o[11]
     return out
 
 

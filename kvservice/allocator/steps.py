@@ -22,7 +22,7 @@ from kvservice.allocator.runs import Probe, RunOps
 from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id, tier_orders_of)
 from kvservice.common import hashing
-from kvservice.common.grants import Grant, pack_blocks
+from kvservice.common.grants import Grant, order_mac, pack_blocks, pull_fields
 from kvservice.common.auth import caller
 from kvservice.common.geometry import Geometry
 
@@ -217,6 +217,8 @@ class StepOps(RunOps):
                                self._geometry[pool_id][1].block_size, reply)
             if grant is not None:
                 outcome.grants[pool_id] = grant.signed(await self.grant_key(pool_id, grant.epoch))
+        if any(len(o) > 7 for o in outcome.tier_orders):
+            outcome.tier_orders[:] = await self.signed_fetches(outcome.tier_orders)
         if first_error is not None:
             if not creates and isinstance(first_error, (errors.NotFound, errors.PermissionDenied)):
                 # Updates alone never look the lease up (a pool knows the leases of its
@@ -228,6 +230,19 @@ class StepOps(RunOps):
             raise first_error
         return outcome
 
+
+    async def signed_fetches(self, orders: list[tuple]) -> list[tuple]:
+        """``orders`` with each fetch order's MAC (its 12th field) under the source pool's
+        grant key: the source's worker serves the block to the order's pool only with it
+        (``grants.pull_fields``). A fetch of nothing (src -1) and a tier move stay as they are."""
+        out = []
+        for o in orders:
+            if len(o) > 7 and o[3] >= 0:
+                key = await self.grant_key(o[7], o[8])
+                mac = order_mac(key, "pull", pull_fields(o[7], o[8], o[0], o[10], o[2], o[3], o[6])) if key else b""
+                o = (*o[:11], mac)
+            out.append(o)
+        return out
 
     def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry, tag: str) -> dict[str, Any]:
         """The update as the step script takes it (``scripts/step.lua``). Runs for every
@@ -411,7 +426,8 @@ class StepOps(RunOps):
         create's own pool's prefix, when one does; those blocks are pinned there for the
         fetch (``scripts/pin.lua``) and the create's payload names them
         (``items["fetch"][j]``: first position, [[tier, block or entry]], hashes, source
-        pool, its epoch, pin id). Returns the pins taken: (pool, epoch, pin id)."""
+        pool, its epoch, pin id, the source's serial). Returns the pins taken: (pool, epoch,
+        pin id)."""
         taken: list[tuple[str, int, str]] = []
         for pool_id, items in by_pool.items():
             if pool_id in skip:
@@ -436,12 +452,12 @@ class StepOps(RunOps):
                 wanted = hs[start:min(best[0], start + self.settings.max_blocks_per_call)]
                 pin_id, ttl_ms = secrets.token_hex(16), int(self.settings.fetch_pin_ttl * 1000)
                 try:
-                    pinned = await self.store.pin(source, epoch, pin_id, ttl_ms, wanted)
+                    pinned, serial = await self.store.pin(source, epoch, pin_id, ttl_ms, wanted)
                 except (errors.KvsError, ScriptError):
                     continue       # (the source re-registered or is gone: the create recomputes)
                 if pinned:
                     self.reap_schedule.expect([source], ttl_ms)     # (swept by its deadline, if never released)
-                    items.setdefault("fetch", {})[j] = (start + 1, pinned, wanted, source, epoch, pin_id)
+                    items.setdefault("fetch", {})[j] = (start + 1, pinned, wanted, source, epoch, pin_id, serial)
                     taken.append((source, epoch, pin_id))
         return taken
 
@@ -502,7 +518,7 @@ class StepOps(RunOps):
                                             reason="DRAINING")
         tenant, lease_left = await self._attach(lease_id, [dest])
         pin_id, ttl_ms = secrets.token_hex(16), int(self.settings.fetch_pin_ttl * 1000)
-        pinned = await self.store.pin(source, epoch, pin_id, ttl_ms, [], blocks=rec["block_table"])
+        pinned, serial = await self.store.pin(source, epoch, pin_id, ttl_ms, [], blocks=rec["block_table"])
         self.reap_schedule.expect([source], ttl_ms)
         create = {"epoch": dest_epoch, "num_tokens": rec["num_tokens"], "root_hash": rec["last_hash"],
                   "block_hashes": hashes,
@@ -537,7 +553,8 @@ class StepOps(RunOps):
         for _, position, block in reply.get("fetches") or ():
             tier, src = pinned[position - 1] if position <= len(pinned) else (0, -1)
             h = bytes.fromhex(hashes[position - 1]) if position <= len(hashes) else b""
-            orders.append((dest, reply["epoch"], tier, src, 0, block, h, source, epoch, pin_id))
+            orders.append((dest, reply["epoch"], tier, src, 0, block, h, source, epoch, pin_id, serial))
+        orders = await self.signed_fetches(orders)
         if not orders:
             await self._release_unused([(source, epoch, pin_id)], StepOutcome([], [], []))
         grant = step_grant(dest, lease_id, tenant, bs, reply)
@@ -597,10 +614,11 @@ class StepOps(RunOps):
             # (src -1: no pin of this attempt holds the block, as for the replayed reply of
             # a retried step: its client recomputes it)
             h = items["hashes"][ci - 1][position - 1]
-            first, pinned, _, source, source_epoch, pin_id = fetch.get(ci - 1, (0, [], [], pool_id, epoch, ""))
+            first, pinned, _, source, source_epoch, pin_id, serial = fetch.get(ci - 1, (0, [], [], pool_id, epoch,
+                                                                                        "", 0))
             k = position - first
             tier, src = pinned[k] if 0 <= k < len(pinned) else (0, -1)
-            outcome.tier_orders.append((pool_id, epoch, tier, src, 0, block, h, source, source_epoch, pin_id))
+            outcome.tier_orders.append((pool_id, epoch, tier, src, 0, block, h, source, source_epoch, pin_id, serial))
         outcome.generations[pool_id] = int(reply["generation"])
 
     def _salt(self, tenant: str) -> str:

@@ -387,15 +387,15 @@ class Store:
         return reply
 
     async def pin(self, pool_id: str, epoch: int, pin_id: str, ttl_ms: int, hashes: list[str],
-                  blocks: list[int] | None = None) -> list[list[int]]:
+                  blocks: list[int] | None = None) -> tuple[list[list[int]], int]:
         """Pins the leading blocks of a chain that the pool holds ready for a fetch, or the
         device blocks ``blocks`` of a migrating sequence (``pin.lua``); returns [tier code,
-        block or entry] per block pinned."""
+        block or entry] per block pinned, and the pool's serial after the pin."""
         payload = {"pool": pool_id, "epoch": epoch, "pin_id": pin_id, "ttl_ms": ttl_ms, "block_hashes": hashes}
         if blocks is not None:
             payload["blocks"] = blocks
         reply = await self._call("pin", keys.pool_keys(pool_id), payload)
-        return [list(x) for x in reply["pinned"]]
+        return [list(x) for x in reply["pinned"]], int(reply.get("serial") or 0)
 
     async def tier_snapshot(self, pool_id: str) -> dict[str, dict[str, Any]]:
         """The lower tiers' keys of one pool, read in one transaction (for the audit):

@@ -16,8 +16,11 @@ microseconds, no Redis) and keeps per block who may write it and who may read it
 (freed, then allocated to another lease) has a newer grant, and the worker honours no
 older grant of another lease for it from the moment it has seen the newer one.
 
-The same key signs the allocator's **orders** to the pool's worker that a client carries
-(tier moves, pulls by another worker): ``order_mac`` over the order's fields.
+The same key signs the allocator's **orders** to the pool's worker that others carry: a
+fetch order (``order_mac("pull", pull_fields(...))``) names a block or entry of the pool,
+the pool it goes to and the pool's serial when it was pinned; the pool's worker serves a
+pull only for blocks with such an order, to the worker of the pool it names, and not a
+device block granted to a writer since that serial (it may hold other bytes by then).
 
 Encoding: every field is tagged and length-prefixed before it is hashed, so that no two
 different field lists hash the same bytes; block ids travel as little-endian uint32 arrays
@@ -132,6 +135,13 @@ class Grant:
                                write_blocks=self.write, read_blocks=self.read, mac=self.mac)
 
 
+def pull_fields(source_pool: str, source_epoch: int, dst_pool: str, serial: int, tier: int, index: int,
+                block_hash: bytes) -> tuple:
+    """The fields a fetch order's MAC covers: which block (or entry) of which source pool
+    and epoch goes to which pool, as of which serial of the source."""
+    return (source_pool, source_epoch, dst_pool, serial, tier, index, block_hash)
+
+
 def order_mac(key: bytes, kind: str, fields: Sequence[int | str | bytes]) -> bytes:
     """The MAC of an allocator's order of ``kind`` (e.g. "move", "pull") over its fields."""
     return _mac(key, ORDER, (kind, *fields))
@@ -143,4 +153,4 @@ def order_valid(key: bytes, kind: str, fields: Sequence[int | str | bytes], mac:
 
 
 __all__ = ["GRANT", "Grant", "KEY_BYTES", "MAC_BYTES", "ORDER", "new_key", "order_mac", "order_valid", "pack_blocks",
-           "unpack_blocks"]
+           "pull_fields", "unpack_blocks"]

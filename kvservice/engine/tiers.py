@@ -143,7 +143,8 @@ class TierPath:
         request = wpb.FetchBlocksRequest(
             epoch=epoch, lease_id=self.client.lease_id, generation=self.client.generation(pool),
             source_pool_id=source, source_epoch=source_epoch,
-            fetches=[wpb.BlockFetch(src_tier=o.src_tier, src=o.src, block_hash=o.block_hash, dst=o.dst)
+            fetches=[wpb.BlockFetch(src_tier=o.src_tier, src=o.src, block_hash=o.block_hash, dst=o.dst,
+                                     order_mac=o.order_mac, pull_serial=o.pull_serial)
                      for o in group])
         return self._call(stub.FetchBlocks, request, pool, epoch)
 

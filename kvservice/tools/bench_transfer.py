@@ -90,6 +90,7 @@ def _rounds(args: argparse.Namespace, shared_memory_dir: str) -> tuple[int, floa
     with Stack(2, model=MODEL, block_size=16, num_blocks=args.num_blocks,
                worker_args=("--shared-memory-dir", shared_memory_dir)) as stack, \
             Client(stack.target, credentials=stack.credentials("engine")) as client:
+        client.collect_tier_orders = True       # (the migration's fetch orders: this tool runs them)
         pools = {p.pool_id: p for p in client.pools()}
         src_pool, dst_pool = pools["worker-0"], pools["worker-1"]
         channels = {name: stack.credentials("engine").channel(p.worker_address) for name, p in pools.items()}
@@ -102,7 +103,6 @@ def _rounds(args: argparse.Namespace, shared_memory_dir: str) -> tuple[int, floa
                              f"the pools hold {args.num_blocks} (raise --num-blocks)")
         tokens = blocks * 16
         src = client.create(list(range(1, tokens + 1)), pool="worker-0")
-        dst = client.create(list(range(tokens + 1, 2 * tokens + 1)), pool="worker-1")
         rng = random.Random(0)
         g = info.geometry
         slots = [b * 16 + i for b in src.block_table for i in range(16)]
@@ -112,17 +112,22 @@ def _rounds(args: argparse.Namespace, shared_memory_dir: str) -> tuple[int, floa
             data = array.array("f", (rng.gauss(0.0, 1.0) for _ in range(math.prod(shape)))).tobytes()
             return wpb.Tensor(dtype="float32", shape=shape, data=data)
 
-        # (the allocator's grants of the two sequences' blocks go with the first call to each worker)
-        grants = {p: client.take_grants(p, e) for p, e in (("worker-0", src_pool.epoch), ("worker-1", dst_pool.epoch))}
+        # (the allocator's grants of the sequence's blocks go with the first call to its worker)
+        grants = client.take_grants("worker-0", src_pool.epoch)
         for layer in (0, g.num_layers - 1):          # (random K/V in two layers: what the check compares)
             stubs["worker-0"].WriteKV(wpb.WriteKVRequest(
                 epoch=src_pool.epoch, layer=layer, slot_mapping=slots, key=randn(), value=randn(),
-                lease_id=client.lease_id, generation=client.generation("worker-0"), grants=grants["worker-0"]))
+                lease_id=client.lease_id, generation=client.generation("worker-0"), grants=grants))
+                                                 # (so with its pool's, the sequence goes to worker-1: the
+        src_table = list(src.block_table)        # allocator's fetch orders of its blocks, run every round)
+        dst = client.migrate(src, "worker-1")
+        orders = [o for o in client.take_tier_orders() if o.source_pool_id == "worker-0"]
         request = wpb.FetchBlocksRequest(
             epoch=dst_pool.epoch, lease_id=client.lease_id, generation=client.generation("worker-1"),
             source_pool_id="worker-0", source_epoch=src_pool.epoch, chunk_bytes=args.chunk_kib << 10,
-            fetches=[wpb.BlockFetch(src_tier=0, src=s, dst=d) for s, d in zip(src.block_table, dst.block_table)],
-            grants=grants["worker-1"])
+            fetches=[wpb.BlockFetch(src_tier=o.src_tier, src=o.src, dst=o.dst, block_hash=o.block_hash,
+                                    order_mac=o.order_mac, pull_serial=o.pull_serial) for o in orders],
+            grants=client.take_grants("worker-1", dst_pool.epoch))
         stubs["worker-1"].FetchBlocks(request, timeout=120)         # (a warm-up round: channels, allocations)
         progress(f"{args.rounds} rounds of {blocks} blocks ({blocks * per_block / 2**20:.1f} MiB), each a fetch "
                  f"then a raw stream of as many bytes")
@@ -139,6 +144,7 @@ def _rounds(args: argparse.Namespace, shared_memory_dir: str) -> tuple[int, floa
                     raise RuntimeError(f"{len(failed)} blocks not moved: {failed[0]}")
                 raw_seconds += raw.pull(batch)
         moved = args.rounds * batch
+        slots = [b * 16 + i for b in src_table for i in range(16)]
         dst_slots = [b * 16 + i for b in dst.block_table for i in range(16)]
         for layer in (0, g.num_layers - 1):
             a = stubs["worker-0"].ReadKV(wpb.ReadKVRequest(epoch=src_pool.epoch, layer=layer, slots=slots,

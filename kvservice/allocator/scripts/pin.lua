@@ -10,7 +10,8 @@
 ---   (the pin's deadline is this shard's clock + ttl_ms), block_hashes = [hash hex, in
 ---   chain order], blocks (optional, instead: [device block id])}
 --- Returns msgpack {epoch, pinned = [[tier code (0 device, 1 host, 2 disk), block or
----   entry]] (one per leading hash pinned, or per block; none: nothing pinned, no record)};
+---   entry]] (one per leading hash pinned, or per block; none: nothing pinned, no record),
+---   serial (the pool's change counter after the pin: the fetch orders' pull serial)};
 ---   or an error (lib/codec): NOT_FOUND, FAILED_PRECONDITION (reason EPOCH_CHANGED; a block
 ---   no table holds), INVALID_ARGUMENT (a pin id in use).
 --- @include "lib/time"
@@ -65,8 +66,9 @@ local _, res = guarded(function()
   end
   local stats = {fetch_pins = #items > 0 and 1 or 0, fetch_pinned_blocks = #items, fetch_pins_expired = swept}
   if #items > 0 then PINS.add(p.pin_id, now + p.ttl_ms, items) end
-  if #items > 0 or swept > 0 then changed() end
+  local serial = 0
+  if #items > 0 or swept > 0 then serial = changed() end
   incr_stats(stats)
-  return reply({epoch = epoch, pinned = pinned})
+  return reply({epoch = epoch, pinned = pinned, serial = serial})
 end)
 return res
