@@ -287,4 +287,6 @@ def test_operations_doc_queries_run_on_prometheus(scraped):
     assert queries
     for q in queries:
         prom.query(q)    # a query error fails here
-    assert prom.query("kvservice_pool_exporter == 1"), "no replica exports the pool series"
+    # (the first scrapes may not have happened yet when this test runs first in the module)
+    prom.wait("a replica exporting the pool series (kvservice_pool_exporter == 1)",
+              lambda: (bool(prom.query("kvservice_pool_exporter == 1")), "none"))
