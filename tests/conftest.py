@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -139,6 +140,8 @@ def client(server):
 # SmolLM2 is converted once per run, into a model cache of the run (every worker process
 # the tests start inherits it); a KVSERVICE_MODEL_CACHE set by the caller is used as is.
 _MODEL_CACHE: tempfile.TemporaryDirectory | None = None
+#: The conversion started in the background by the run's first process (see pytest_configure).
+_CONVERTING: subprocess.Popen | None = None
 
 
 def pytest_configure(config):
@@ -155,9 +158,26 @@ def pytest_configure(config):
     if not os.environ.get("KVSERVICE_MODEL_CACHE"):
         _MODEL_CACHE = tempfile.TemporaryDirectory(prefix="kvs-models-")
         os.environ["KVSERVICE_MODEL_CACHE"] = _MODEL_CACHE.name
+        _convert_in_background(config)
+
+
+def _convert_in_background(config) -> None:
+    """Under pytest-xdist, the controller starts SmolLM2's conversion (~30 s of one core)
+    before the test processes have even collected: those whose tests need it wait for it
+    (``weights.converted`` holds the cache's lock), the others run meanwhile. Not for a run
+    that leaves out the end-to-end tests (``make test-fast``), which needs no model."""
+    global _CONVERTING
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
+            or "not e2e" in (getattr(config.option, "markexpr", "") or ""):
+        return
+    _CONVERTING = subprocess.Popen([sys.executable, "-m", "worker.weights", "smollm2-135m"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_unconfigure(config):
+    if _CONVERTING is not None and _CONVERTING.poll() is None:
+        _CONVERTING.kill()
+        _CONVERTING.wait()
     if _MODEL_CACHE is not None:
         _MODEL_CACHE.cleanup()
 

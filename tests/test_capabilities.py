@@ -212,3 +212,79 @@ def test_a_block_given_to_another_tenant_is_zeroed_before_it_reads_it(stack):
     finally:
         a.close()
         b.close()
+
+
+def test_another_tenant_overwriting_every_block_changes_no_answer_of_the_http_api(smollm2_cache):
+    """The poisoning attempt from outside: the HTTP API (tenant ``api``, A) answers a greedy
+    completion over SmolLM2; tenant ``engine`` (B), with its own valid credentials and lease,
+    then tries to overwrite every block of the pool but its own through every RPC that
+    writes K/V. Each call is refused, and A's answer to the same prompt, now from the prefix
+    cache, still equals transformers' greedy generation."""
+    import openai
+
+    from chats import greedy
+    from kvservice.engine import Engine
+    from worker import weights
+
+    name, steps, blocks = "smollm2-135m", 12, 48
+    text = ("The old library on the hill keeps its atlases, maps and sea charts on the third floor, beside the "
+            "reading room, where visitors may study them at the long oak tables every weekday until")
+    with Stack(1, model=name, block_size=BS, num_blocks=blocks, http_port=0,
+               worker_args=("--host-tier-gb", "0.01")) as stack, \
+            openai.OpenAI(base_url=stack.api.url, api_key=stack.api_key, max_retries=0, timeout=120) as api, \
+            Engine(stack.target, credentials=stack.credentials("engine")) as engine:
+        tok = engine.tokenizer
+        prompt = tok.encode(text)
+        tokens, _ = greedy(weights.load(name), prompt, steps)
+        assert not tok.eos_token_ids & set(tokens), "pick a question whose answer runs past the steps"
+        expected = tok.decode(tokens)
+
+        def ask():
+            r = api.completions.create(model=name, prompt=prompt, max_tokens=steps, temperature=0)
+            return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+        first, _ = ask()
+        assert first == expected
+        b = Tenant(stack, "engine")
+        try:
+            own = b.client.create(list(range(7000, 7000 + BS)), pool="worker-0")
+            b.stubs["worker-0"].ReadKV(pb.ReadKVRequest(epoch=b.epochs["worker-0"], layer=0, slots=[own.block_table[0] * BS],
+                                                        lease_id=b.lease, grants=b.grants("worker-0")), timeout=10)
+            w0, epoch, gen, mine = b.stubs["worker-0"], b.epochs["worker-0"], b.client.generation("worker-0"), own.block_table[0]
+            targets = [x for x in range(blocks) if x != mine]
+            g = torch.Generator().manual_seed(5)
+            kv = [tensors.encode(torch.randn(BS, 3, 64, generator=g)) for _ in range(2)]
+            refused = 0
+            for x in targets:
+                slots = _slots([x])
+                for attack in (
+                        lambda: w0.WriteKV(pb.WriteKVRequest(epoch=epoch, layer=0, slot_mapping=slots, key=kv[0],
+                                                             value=kv[1], lease_id=b.lease, generation=gen), timeout=10),
+                        lambda: w0.WriteBlocks(iter([pb.WriteBlocksRequest(
+                            epoch=epoch, lease_id=b.lease, generation=gen, block_ids=[x])]), timeout=10)):
+                    _refused(attack)
+                    refused += 1
+            whole = [
+                lambda: w0.CopyBlocks(pb.CopyBlocksRequest(epoch=epoch, lease_id=b.lease, generation=gen,
+                                                           pairs=[pb.BlockCopy(src=mine, dst=x) for x in targets]),
+                                      timeout=10),
+                lambda: w0.Forward(pb.ForwardRequest(epoch=epoch, lease_id=b.lease, generation=gen, sequences=[
+                    pb.ForwardSequence(token_ids=[1] * len(targets), start_position=0, block_table=targets,
+                                       slot_mapping=[x * BS for x in targets])]), timeout=30),
+                lambda: w0.MoveBlocks(pb.MoveBlocksRequest(epoch=epoch, lease_id=b.lease, generation=gen, moves=[
+                    pb.BlockMove(src_tier=1, src=i, dst_tier=0, dst=x, block_hash=b"h" * 16)
+                    for i, x in enumerate(targets[:8])]), timeout=10),
+                lambda: w0.FetchBlocks(pb.FetchBlocksRequest(
+                    epoch=epoch, lease_id=b.lease, generation=gen, source_pool_id="worker-9", source_epoch=1,
+                    fetches=[pb.BlockFetch(src=i, dst=x) for i, x in enumerate(targets)]), timeout=10)]
+            for attack in whole:
+                _refused(attack)
+                refused += 1
+            own.free()
+        finally:
+            b.close()
+        again, cached = ask()
+        print(f"{refused} writes of tenant engine refused; the API's answer again with {cached} cached prompt tokens")
+        assert refused == 2 * len(targets) + len(whole)
+        assert cached >= BS and again == expected
+        assert stack.audit().ok
