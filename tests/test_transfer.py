@@ -446,9 +446,11 @@ def test_a_stale_source_epoch_a_bad_request_and_an_engine_pulling_directly_are_r
     # pool's worker presenting it, an order older than the block's last writer.
     forged = pb.BlockRef(index=0, order_mac=bytes(16), pull_serial=pull.blocks[0].pull_serial)
     other_block = pb.BlockRef(index=1, order_mac=pull.blocks[0].order_mac, pull_serial=pull.blocks[0].pull_serial)
+    with sync_redis(stack.redis.admin_url) as r:                    # (the pool's serial before the block's grant)
+        before = int(r.hget(keys.pool_key("worker-0", "state"), "version") or 0)
     written = pair.client.create(list(range(31001, 31001 + BS)), pool="worker-0")
     pair.write("worker-0", list(written.block_table), seed=17)      # (its grant: a newer serial)
-    old_order = ordered(stack, [pb.BlockRef(index=written.block_table[0])], serial=1)
+    old_order = ordered(stack, [pb.BlockRef(index=written.block_table[0])], serial=before)
     for blocks, dst, words in (([pb.BlockRef(index=0)], "worker-1", "no fetch order"),
                                ([forged], "worker-1", "no fetch order"), ([other_block], "worker-1", "no fetch order"),
                                (ordered(stack, [pb.BlockRef(index=0)], dst="worker-9"), "worker-9", "may not pull"),
