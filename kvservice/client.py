@@ -576,15 +576,18 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
         return out
 
     def settle_tiers(self, pool_id: str, epoch: int, settled: list[pb.TierSettlement],
-                     release_pins: list[str] = (), forget_blocks: list[int] = ()) -> int:
-        """Passes on the worker's word on a pool's lower-tier orders, releases the read
-        pins of its fetches that ran, and drops the hashes of ``forget_blocks`` (device
-        blocks whose content is not what their hash says: a prompt a failed step never
-        wrote, a failed load or fetch) (``SettleTiers``); returns how many entries were
-        settled."""
+                     release_pins: list[str] = (), forget: list[pb.TierOrder] = (),
+                     unwritten: list[tuple[str, int]] = ()) -> int:
+        """Passes on the worker's word on a pool's lower-tier orders (each settlement names
+        its order, as the allocator gave it), releases the read pins of its fetches that ran,
+        drops the hashes of the device blocks that the loads and fetches of ``forget``
+        failed to fill, and those of the blocks of this client's sequences that a failed
+        forward never wrote (``unwritten``: (sequence id, first block never written))
+        (``SettleTiers``); returns how many entries were settled."""
         reply = self._call(self.stub.SettleTiers, pb.SettleTiersRequest(
-            pool_id=pool_id, epoch=epoch, settled=settled, release_pins=release_pins,
-            forget_blocks=forget_blocks), idempotent=True)
+            pool_id=pool_id, epoch=epoch, settled=settled, release_pins=release_pins, forget=forget,
+            lease_id=self.lease_id if unwritten else "",
+            unwritten=[pb.UnwrittenBlocks(sequence_id=s, first_block=k) for s, k in unwritten]), idempotent=True)
         return reply.num_settled
 
     def pools(self) -> list[pb.Pool]:

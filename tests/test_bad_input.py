@@ -236,11 +236,18 @@ for rpc, msg_cls in (("DescribePool", pb.DescribePoolRequest), ("GetPoolStats", 
             f"malformed pool_id {pid!r}")
     row(rpc, "unknown-pool", lambda b, c=msg_cls: c(pool_id="nope"), NF, "pool nope is not registered")
 
-# -- SettleTiers: the pool id, its epoch, the settlements (p0 has no lower tier).
+# -- SettleTiers: the pool id, its epoch, the orders settled or forgotten (a made-up order
+# is no order of the allocator: its order_mac does not match).
+def tier_order(pid: str = "p0", epoch: int = 1, **over: Any) -> pb.TierOrder:
+    fields = dict(pool_id=pid, epoch=epoch, src_tier=0, src=0, dst_tier=1, dst=0, block_hash=b"h" * 16,
+                  order_mac=b"m" * 16)
+    fields.update(over)
+    return pb.TierOrder(**fields)
+
+
 def settle(pid: str = "p0", epoch: int = 1, n: int = 1, **over: Any) -> Callable[[Base], Any]:
-    one = dict(tier=1, entry=0, block_hash=b"h" * 16, ok=True)
-    one.update(over)
-    return lambda b: pb.SettleTiersRequest(pool_id=pid, epoch=epoch, settled=[pb.TierSettlement(**one)] * n)
+    return lambda b: pb.SettleTiersRequest(pool_id=pid, epoch=epoch,
+                                           settled=[pb.TierSettlement(order=tier_order(pid, epoch, **over), ok=True)] * n)
 
 
 for pid in ("", "bad pool!", "a" * 65):
@@ -248,15 +255,22 @@ for pid in ("", "bad pool!", "a" * 65):
 row("SettleTiers", "unknown-pool", settle("nope"), NF, "pool nope is not registered")
 row("SettleTiers", "epoch-0", settle(epoch=0), IA, f"epoch must be in 1..{2**31 - 1}, got 0")
 row("SettleTiers", "stale-epoch", settle("p1", epoch=1), FP, "pool p1 is at epoch 2, not 1")
-row("SettleTiers", "tier-0", settle(tier=0), IA, "settled[0].tier must be 1 (host) or 2 (disk), got 0")
-row("SettleTiers", "entry-negative", settle(entry=-1), IA, "settled[0].entry -1 is out of range")
-row("SettleTiers", "hash-short", settle(block_hash=b"x"), IA, "settled[0].block_hash must be 16 bytes, got 1")
+row("SettleTiers", "device-to-device", settle(dst_tier=0), IA, "settled[0].order moves nothing through a lower tier")
+row("SettleTiers", "tier-3", settle(dst_tier=3), IA, "settled[0].order: tiers are 0 (device), 1 (host), 2 (disk); got 3")
+row("SettleTiers", "entry-negative", settle(dst=-2), IA, "settled[0].order.dst -2 is out of range")
+row("SettleTiers", "hash-short", settle(block_hash=b"x"), IA, "settled[0].order.block_hash must be 16 bytes, got 1")
+row("SettleTiers", "another-pool", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1, settled=[
+    pb.TierSettlement(order=tier_order("p1", 2))]), IA, "settled[0].order is for pool 'p1' at epoch 2, not p0 at epoch 1")
+row("SettleTiers", "a-fetch", settle(source_pool_id="p1"), IA, "settled[0].order is a fetch")
 row("SettleTiers", "too-many", settle(n=65_537), IA, "at most 65536 settlements per call, got 65537")
-row("SettleTiers", "no-such-tier", settle(), IA, "pool p0 has no tier 1")
-row("SettleTiers", "forget-out-of-range", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1, forget_blocks=[2**32 - 1]),
-    IA, f"forget_blocks[0] {2**32 - 1} is out of range")
-row("SettleTiers", "forget-too-many", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1, forget_blocks=[0] * 65_537),
-    IA, "at most 65536 forget_blocks per call, got 65537")
+row("SettleTiers", "made-up-order", settle(), PD, "settled[0].order is not an order of the allocator")
+row("SettleTiers", "forget-a-copy", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1, forget=[tier_order()]),
+    IA, "forget[0] fills no device block (dst_tier 1)")
+row("SettleTiers", "forget-made-up", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1, forget=[
+    tier_order(src_tier=1, dst_tier=0)]), PD, "forget[0] is not an order of the allocator")
+row("SettleTiers", "forget-too-many", lambda b: pb.SettleTiersRequest(pool_id="p0", epoch=1,
+                                                                      forget=[tier_order(dst_tier=0)] * 65_537),
+    IA, "at most 65536 forget orders per call, got 65537")
 
 # -- MigrateSequence (priv: 1 committed block, last hash priv_hash), DrainPool, UnregisterPool.
 def migrate(b: Base, sid: str = "", pool: str = "p1", hashes: bytes | None = None, lease: str = "") -> Any:
@@ -746,7 +760,7 @@ def _every_rpc_request(pool: str, lease: str, sid: str) -> dict[str, Any]:
         "GetSequence": pb.GetSequenceRequest(sequence_id=sid),
         "Audit": pb.AuditRequest(),
         "SettleTiers": pb.SettleTiersRequest(pool_id=pool, epoch=1, settled=[pb.TierSettlement(
-            tier=1, entry=0, block_hash=b"h" * 16, ok=True)]),
+            order=tier_order(pool), ok=True)]),
         "Sync": pb.SyncRequest(lease_id=lease, pools=[pb.PoolSync(pool_id=pool, epoch=1, want_blocks=4)]),
         "MigrateSequence": pb.MigrateSequenceRequest(lease_id=lease, sequence_id=sid, pool_id=pool),
         "DrainPool": pb.DrainPoolRequest(pool_id=pool),

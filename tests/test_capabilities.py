@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from kvservice import errors
 from kvservice.client import Client
 from kvservice.common.grants import Grant, new_key, pack_blocks
 from kvservice.tools.launcher import Stack
@@ -130,8 +131,11 @@ def test_another_tenant_touches_no_block_of_a_lease_through_any_worker_call(stac
         }
         for name, attack in attacks.items():
             details = _refused(attack)
-            assert any(f"may not {right} block {x} " in details for x in ab for right in ("read", "write")), \
-                (name, details)
+            if name.startswith("MoveBlocks"):       # (a move names its order before any block)
+                assert "is not an order of the allocator" in details, (name, details)
+            else:
+                assert any(f"may not {right} block {x} " in details for x in ab for right in ("read", "write")), \
+                    (name, details)
             assert "api" not in details and a.lease not in details, (name, details)   # (nothing of A's told)
         # A made-up lease, no lease at all, a forged grant, A's own grant, another pool's,
         # another epoch's: refused.
@@ -177,7 +181,10 @@ def test_another_tenant_touches_no_block_of_a_lease_through_any_worker_call(stac
         text = urllib.request.urlopen(stack.workers[0].metrics_url, timeout=10).read().decode()
         counts = {line.split('result="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
                   if line.startswith("kvservice_worker_grants_total{")}
-        assert counts["denied"] >= len(attacks) + 1 and counts["refused"] >= 4, counts
+        # (the two moves are refused for their orders, which the allocator never gave, the
+        # other attacks denied for their blocks)
+        moves = sum(1 for name in attacks if name.startswith("MoveBlocks"))
+        assert counts["denied"] >= len(attacks) - moves + 1 and counts["refused"] >= 4 + moves, counts
         # A's K/V is what A wrote; A goes on writing and reading its own blocks.
         assert a.read("worker-0", _slots(sa.block_table)) == before
         a.write("worker-0", _slots(a2.block_table), seed=3, grants=real)
@@ -209,6 +216,46 @@ def test_a_block_given_to_another_tenant_is_zeroed_before_it_reads_it(stack):
             pytest.fail("no block of A's went to B")
         for s in taken:
             s.free()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_another_tenant_settles_forgets_and_drops_nothing_of_a_lease_s_cached_prefix(stack):
+    """SettleTiers takes the allocator's orders back, and the sequences of the caller's own
+    lease: B's made-up orders (a forget of each of A's cached blocks, the settlement of a
+    copy that never was) and A's sequence named as B's unwritten one are refused, and A's
+    prefix stays cached."""
+    a, b = Tenant(stack, "engine"), Tenant(stack, "api")
+    try:
+        prompt = list(range(3000, 3000 + 3 * BS + 1))
+        first = a.client.create(prompt, pool="worker-0")
+        table, epoch = list(first.block_table[:3]), first.epoch
+        first.free()
+        held = a.client.create(prompt, pool="worker-0")
+        assert held.num_cached_tokens == 3 * BS
+        made_up = [apb.TierOrder(pool_id="worker-0", epoch=epoch, src_tier=1, src=0, dst_tier=0, dst=x,
+                                 block_hash=b"h" * 16, order_mac=b"m" * 16) for x in table]
+        with pytest.raises(errors.PermissionDenied, match="forget.0. is not an order of the allocator"):
+            b.client.settle_tiers("worker-0", epoch, [], [], made_up)
+        copy = apb.TierOrder(pool_id="worker-0", epoch=epoch, src_tier=0, src=table[0], dst_tier=1, dst=0,
+                             block_hash=b"h" * 16)
+        with pytest.raises(errors.PermissionDenied, match="settled.0..order is not an order of the allocator"):
+            b.client.settle_tiers("worker-0", epoch, [apb.TierSettlement(order=copy, ok=False)])
+        with pytest.raises(errors.InvalidArgument, match="is not one of lease"):
+            b.client.settle_tiers("worker-0", epoch, [], [], [], [(held.id, 0)])
+        with pytest.raises(grpc.RpcError) as info:             # (naming A's lease as its own)
+            b.client.stub.SettleTiers(apb.SettleTiersRequest(
+                pool_id="worker-0", epoch=epoch, lease_id=a.lease,
+                unwritten=[apb.UnwrittenBlocks(sequence_id=held.id, first_block=0)]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value.details()
+        # A's own lease drops nothing of the cached prefix its sequence shares (others wrote it).
+        assert a.client.settle_tiers("worker-0", epoch, [], [], [], [(held.id, 0)]) == 0
+        held.free()
+        again = a.client.create(prompt, pool="worker-0")
+        assert again.num_cached_tokens == 3 * BS and list(again.block_table[:3]) == table
+        again.free()
+        assert stack.audit().ok
     finally:
         a.close()
         b.close()

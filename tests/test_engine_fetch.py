@@ -125,7 +125,7 @@ def test_a_prompt_its_worker_never_wrote_loses_its_hashes(stack, tiny):
     """Blocks get their hashes at create, before the forward writes them. Worker 0 stopped
     (SIGSTOP) as a prompt is created there: its step fails past the deadline, the request is
     computed on worker 1 instead, and the allocator forgets the hashes of the blocks worker
-    0 never wrote (SettleTiers forget_blocks), so that no create hits them there and none
+    0 never wrote (SettleTiers unwritten), so that no create hits them there and none
     fetches them (worker 0, running again, would serve whatever they hold)."""
     reference = tiny
     import os

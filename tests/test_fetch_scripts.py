@@ -141,8 +141,7 @@ def test_a_prefix_in_the_source_s_host_tier_is_fetched_from_there_and_its_entrie
     b = c.create(list(range(100, 124)), pool="a")     # (evicts A's blocks: copied down to a's host tier)
     down = c.take_tier_orders()
     assert [(o.src_tier, o.dst_tier) for o in down] == [(0, 1)] * 3
-    c.settle_tiers("a", down[0].epoch, [pb.TierSettlement(tier=1, entry=o.dst, block_hash=o.block_hash, ok=True)
-                                        for o in down])
+    c.settle_tiers("a", down[0].epoch, [pb.TierSettlement(order=o, ok=True) for o in down])
     entry_of = {o.block_hash: o.dst for o in down}
     s = c.create(PROMPT_A, pool="b")
     orders = _fetches(c.take_tier_orders())
@@ -185,38 +184,41 @@ def test_a_pool_less_create_goes_where_its_prefix_is_and_a_stale_pin_release_is_
         c.settle_tiers("a", s.epoch + 1, [], ["0" * 32])
 
 
-def test_forgotten_blocks_are_neither_hit_nor_fetched(two):
-    """SettleTiers forget_blocks: blocks whose content is not what their hash says lose the
-    hash. A cached one becomes free; a referenced one stays in its table, free once freed.
-    No create hits them, none fetches them."""
+def _changed(order: pb.TierOrder, **fields) -> pb.TierOrder:
+    out = pb.TierOrder()
+    out.CopyFrom(order)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
+
+
+def test_the_blocks_of_failed_fetches_lose_their_hash_on_the_fetch_orders_only(two):
+    """SettleTiers forget: the blocks that fetches failed to fill lose the hash their orders
+    name; a referenced one stays in its table, free once freed, and no create hits it. Only
+    the allocator's orders count: an order its holder changed is refused, and one whose
+    block holds another hash forgets nothing."""
     server, c, url = two
-    held = _cached_in_a(c)
-    live = c.create(PROMPT_B[:8], pool="a")          # (2 full blocks, referenced)
-    before = c.pool_stats("a")
-    c.settle_tiers("a", live.epoch, [], [], [held[1], live.block_table[0]])
-    stats = c.pool_stats("a")
-    assert (stats.num_evictable_blocks, stats.num_free_blocks) == (before.num_evictable_blocks - 1,
-                                                                   before.num_free_blocks + 1)
-    assert audit(url, "a") == []
-    again = c.create(PROMPT_A[:5], pool="a")         # (its first block: still cached)
-    assert again.num_cached_tokens == 4 and again.block_table[0] == held[0]
-    again.free()
-    s = c.create(PROMPT_A, pool="b")                 # (fetches the block before the forgotten one)
+    _cached_in_a(c)
+    s = c.create(PROMPT_A, pool="b")
     orders = _fetches(c.take_tier_orders())
-    assert [o.src for o in orders] == held[:1] and s.num_cached_tokens == 4
+    assert len(orders) == 3 and s.num_cached_tokens == 12
     c.settle_tiers("a", orders[0].source_epoch, [], [orders[0].pin_id])
+    with pytest.raises(errors.PermissionDenied, match="not an order of the allocator"):
+        c.settle_tiers("b", s.epoch, [], [], [_changed(orders[1], block_hash=orders[0].block_hash)])
+    with pytest.raises(errors.InvalidArgument, match="for pool .b. at epoch"):
+        c.settle_tiers("a", orders[0].source_epoch, [], [], [orders[1]])
+    c.settle_tiers("b", s.epoch, [], [], orders[1:])          # (the second and third fetches failed)
+    # (the second order again, aimed at the first block: that block holds another hash, kept)
+    c.settle_tiers("b", s.epoch, [], [], [_changed(orders[1], dst=orders[0].dst)])
     s.free()
-    before = c.pool_stats("a")
-    live.free()                                      # (its forgotten block is free, the other cached)
-    stats = c.pool_stats("a")
-    assert (stats.num_evictable_blocks, stats.num_free_blocks) == (before.num_evictable_blocks + 1,
-                                                                   before.num_free_blocks + 1)
-    other = c.create(PROMPT_B[:9], pool="b")
-    assert other.num_cached_tokens == 0 and not _fetches(c.take_tier_orders())
-    other.free()
+    stats = c.pool_stats("b")
+    assert (stats.num_evictable_blocks, stats.num_free_blocks) == (1, 5)   # (the forgotten two: free)
+    assert audit(url, "b") == []
+    c.collect_fetches = False
+    again = c.create(PROMPT_A, pool="b")
+    assert again.num_cached_tokens == 4 and again.block_table[0] == orders[0].dst
+    again.free()
     assert audit(url, "a") == [] and audit(url, "b") == [] and _pins(url, "a") == {}
-    with pytest.raises(errors.InvalidArgument, match="forget_blocks"):
-        c.settle_tiers("a", live.epoch, [], [], [2**32 - 1])
 
 
 def test_a_forgotten_hash_leaves_the_lower_tiers_too(two):
@@ -224,8 +226,7 @@ def test_a_forgotten_hash_leaves_the_lower_tiers_too(two):
     _cached_in_a(c)
     filler = c.create(list(range(300, 324)), pool="a")   # (evicts A's blocks: copied down)
     down = c.take_tier_orders()
-    c.settle_tiers("a", down[0].epoch, [pb.TierSettlement(tier=1, entry=o.dst, block_hash=o.block_hash, ok=True)
-                                        for o in down])
+    c.settle_tiers("a", down[0].epoch, [pb.TierSettlement(order=o, ok=True) for o in down])
     filler.free()
 
     def host_used() -> int:
@@ -233,8 +234,9 @@ def test_a_forgotten_hash_leaves_the_lower_tiers_too(two):
     assert host_used() == 3
     top = c.create(PROMPT_A, pool="a")                   # (loaded from the host tier)
     assert top.num_cached_tokens == 12
-    c.take_tier_orders()
-    c.settle_tiers("a", top.epoch, [], [], [top.block_table[0]])
+    loads = [o for o in c.take_tier_orders() if o.dst == top.block_table[0]]
+    assert [(o.src_tier, o.dst_tier) for o in loads] == [(1, 0)]
+    c.settle_tiers("a", top.epoch, [], [], loads)             # (the load of the first block failed)
     assert host_used() == 2
     top.free()
     s = c.create(PROMPT_A, pool="b")                     # (no chain left to fetch)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from kvservice import errors
-from kvservice.common.grants import (MAC_BYTES, Grant, new_key, order_mac, order_valid, pack_blocks,
+from kvservice.common.grants import (MAC_BYTES, Grant, move_fields, new_key, order_mac, order_valid, pack_blocks,
                                      unpack_blocks)
 from kvservice.v1 import allocator_pb2 as apb
 from worker.rights import BlockRights
@@ -125,6 +125,43 @@ def test_a_shared_block_is_read_by_its_readers_and_written_only_by_its_writer():
     rights.check("E", read=[7])
     with pytest.raises(errors.PermissionDenied):
         rights.check("C", read=[7])
+
+
+def move(src_tier: int, src: int, dst_tier: int, dst: int, serial: int, block_hash: bytes = b"h" * 16,
+         key: bytes = KEY, over: dict | None = None) -> apb.TierOrder:
+    """A tier order as the allocator signs it (``over``: fields changed after signing)."""
+    o = apb.TierOrder(pool_id=POOL, epoch=EPOCH, src_tier=src_tier, src=src, dst_tier=dst_tier, dst=dst,
+                      block_hash=block_hash, serial=serial)
+    o.order_mac = order_mac(key, "move", move_fields(POOL, EPOCH, serial, src_tier, src, dst_tier, dst, block_hash))
+    for name, value in (over or {}).items():
+        setattr(o, name, value)
+    return o
+
+
+def test_a_move_runs_only_on_the_allocator_s_order_and_copies_no_block_written_since():
+    rights = table()
+    admit(rights, grant("A", "a", 4, write=[1, 2]))
+    rights.check("A", write=[1, 2], what="Forward")                 # (written under serial 4)
+    good = [move(0, 1, 1, 0, serial=5), move(1, 3, 0, 2, serial=5), move(1, 3, 2, 7, serial=5)]
+    assert rights.move_refusal(good) == "" and rights.stale_copies(good) == {}
+    for forged in (move(0, 1, 1, 0, 5, over={"dst": 1}), move(0, 1, 1, 0, 5, over={"block_hash": b"x" * 16}),
+                   move(0, 1, 1, 0, 5, key=new_key()), move(0, 1, 1, 0, 5, over={"order_mac": b""}),
+                   move(0, 1, 1, 0, 5, over={"src_tier": 2}), move(0, 1, 1, 0, 5, over={"serial": 9})):
+        assert "is not an order of the allocator" in rights.move_refusal([good[0], forged])
+    # Block 1 evicted and granted to B at serial 6 with the copy down ordered as of 6: the copy
+    # runs until B writes the block (or it is zeroed for B's tenant); then the order is stale.
+    order = move(0, 1, 1, 0, serial=6)
+    assert admit(rights, grant("B", "b", 6, write=[1]), tenant="b") == [1]      # (zeroed: another tenant)
+    assert "written after this copy was ordered" in rights.stale_copies([order])[0]
+    rights = table()
+    admit(rights, grant("A", "a", 4, write=[1]))
+    rights.check("A", write=[1], what="Forward")
+    admit(rights, grant("A", "a", 6, write=[1]))                 # (the same tenant: nothing zeroed)
+    assert rights.stale_copies([order]) == {}
+    rights.check("A", write=[1], what="Forward")                 # (the new writer writes it: stale)
+    assert list(rights.stale_copies([order])) == [0]
+    # (a worker with no grant key checks nothing)
+    assert BlockRights(8, POOL).move_refusal([move(0, 1, 1, 0, 1, over={"order_mac": b""})]) == ""
 
 
 def test_dead_leases_a_new_epoch_and_an_unregistered_pool():

@@ -71,7 +71,8 @@ def _requests(s) -> dict[str, object]:
         "Sync": pb.SyncRequest(lease_id=lease, pools=[pb.PoolSync(pool_id="pool-a", epoch=s.epoch, want_blocks=4)]),
         "Audit": pb.AuditRequest(),
         "SettleTiers": pb.SettleTiersRequest(pool_id="pool-a", epoch=s.epoch, settled=[pb.TierSettlement(
-            tier=1, entry=0, block_hash=b"h" * 16, ok=True)]),
+            order=pb.TierOrder(pool_id="pool-a", epoch=s.epoch, src_tier=0, src=0, dst_tier=1, dst=0,
+                               block_hash=b"h" * 16), ok=True)]),
     }
 
 

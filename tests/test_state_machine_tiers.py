@@ -2,7 +2,7 @@
 real allocator (gRPC server, Lua in a real Redis, the SDK) driven by creates and frees
 that evict blocks (offload orders), hit the host and disk tiers (load orders) and evict
 tier entries (host -> disk orders, reused entries), by settlements that confirm or fail
-copies, by failed loads, by hashes forgotten (SettleTiers forget_blocks) and by
+copies, by failed loads, by the hashes of failed loads forgotten (SettleTiers forget) and by
 re-registrations that keep the disk tier or not; beside a
 model of every tier entry's state (pending with a hash, ready with a hash).
 
@@ -76,6 +76,8 @@ class TierMachine(RuleBasedStateMachine):
         self.live: list[Any] = []
         self.ready: dict[tuple[int, int], bytes] = {}      # (tier, entry) -> hash
         self.pending: dict[tuple[int, int], bytes] = {}
+        self.copies: dict[tuple[int, int], pb.TierOrder] = {}   # (tier, entry) -> the order that filled it
+        self.loads: list[pb.TierOrder] = []                      # the loads of this epoch
         self.counts: Counter = Counter()                    # (tier name, counter) -> n
         self.creates = 0
         self.reregistrations = 0
@@ -99,6 +101,7 @@ class TierMachine(RuleBasedStateMachine):
                 assert chain[i] == o.block_hash, "a load fills a block with another block's content"
                 self.counts[(NAMES[o.src_tier], "blocks_out")] += 1
                 self.counts[(NAMES[o.src_tier], "hit_tokens")] += BS
+                self.loads.append(o)
                 type(self).coverage["load"] += 1
                 continue
             if o.src_tier == 1:
@@ -112,6 +115,7 @@ class TierMachine(RuleBasedStateMachine):
             assert dst not in self.pending, f"{dst} given again while its copy is pending"
             self.ready.pop(dst, None)
             self.pending[dst] = o.block_hash
+            self.copies[dst] = o
             self.counts[(NAMES[o.dst_tier], "blocks_in")] += 1
 
     @rule(family=st.integers(0, 2), length=st.integers(5, 21))
@@ -148,7 +152,14 @@ class TierMachine(RuleBasedStateMachine):
                 if all(CHAIN[CHAINS[h][0]][i] in held | device for i in range(CHAINS[h][1]))]
         h = data.draw(st.sampled_from(sorted(sure or held)))
         family, index = CHAINS[h]
+        loads = len(self.loads)
         self.create(family, data.draw(st.integers((index + 1) * BS + 1, 21)))
+        fresh = [o for o in self.loads[loads:] if self.ready.get((o.src_tier, o.src)) == o.block_hash]
+        if fresh and data.draw(st.booleans()):
+            # (the worker found the first load's bytes wrong: the engine drops its entry and
+            # has its block's hash forgotten)
+            self._fail_load(fresh[0])
+            self._forget(fresh[0])
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -168,7 +179,7 @@ class TierMachine(RuleBasedStateMachine):
         self._settle([data.draw(st.sampled_from(sorted(self.pending)))], False)
 
     def _settle(self, picked: list[tuple[int, int]], ok: bool) -> None:
-        settled = [pb.TierSettlement(tier=t, entry=e, block_hash=self.pending[(t, e)], ok=ok) for t, e in picked]
+        settled = [pb.TierSettlement(order=self.copies[key], ok=ok) for key in picked]
         assert self.client.settle_tiers(self.pool, self.epoch, settled) == len(picked)
         for key in picked:
             h = self.pending.pop(key)
@@ -179,34 +190,43 @@ class TierMachine(RuleBasedStateMachine):
                 self.counts[(NAMES[key[0]], "failed_copies")] += 1
         type(self).coverage["settled ok" if ok else "copy failed"] += 1
 
-    @precondition(lambda self: self.ready)
+    def _loaded_ready(self) -> list[pb.TierOrder]:
+        return [o for o in self.loads if self.ready.get((o.src_tier, o.src)) == o.block_hash]
+
+    @precondition(lambda self: self._loaded_ready())
     @rule(data=st.data())
     def fail_load(self, data):
-        key = data.draw(st.sampled_from(sorted(self.ready)))
-        h = self.ready.pop(key)
-        assert self.client.settle_tiers(self.pool, self.epoch, [pb.TierSettlement(
-            tier=key[0], entry=key[1], block_hash=h, ok=False)]) == 1
+        """The worker found a load's bytes wrong (SettleTiers, the load's order not ok): its
+        entry, still ready with that hash, is dropped."""
+        self._fail_load(data.draw(st.sampled_from(self._loaded_ready())))
+
+    def _fail_load(self, o: pb.TierOrder) -> None:
+        key = (o.src_tier, o.src)
+        assert self.client.settle_tiers(self.pool, self.epoch, [pb.TierSettlement(order=o, ok=False)]) == 1
+        del self.ready[key]
         self.counts[(NAMES[key[0]], "load_failures")] += 1
         type(self).coverage["load failed"] += 1
 
+    @precondition(lambda self: self.loads)
     @rule(data=st.data())
     def forget(self, data):
-        """A device block whose content is not what its hash says (SettleTiers
-        forget_blocks): its hash goes, and every tier entry of that hash with it."""
+        """A load that failed leaves its device block without the content its hash says
+        (SettleTiers forget, the load's order): the hash goes, when the block still holds
+        it, and every tier entry of that hash with it."""
+        self._forget(data.draw(st.sampled_from(self.loads)))
+
+    def _forget(self, o: pb.TierOrder) -> None:
         with sync_redis(self.redis_url) as r:
-            cached = {int(b): bytes.fromhex(h.decode()) for b, h in r.hgetall(keys.pool_key(self.pool, "b2h")).items()}
-        if not cached:
-            return
-        block = data.draw(st.sampled_from(sorted(cached)))
-        h = cached[block]
-        self.client.settle_tiers(self.pool, self.epoch, [], [], [block])
-        for held in (self.ready, self.pending):
-            for key in [k for k, v in held.items() if v == h]:
-                del held[key]
+            held = r.hget(keys.pool_key(self.pool, "b2h"), str(o.dst)) == o.block_hash.hex().encode()
+        self.client.settle_tiers(self.pool, self.epoch, [], [], [o])
+        if held:
+            for entries in (self.ready, self.pending):
+                for key in [k for k, v in entries.items() if v == o.block_hash]:
+                    del entries[key]
+            type(self).coverage["hash forgotten"] += 1
         with sync_redis(self.redis_url) as r:
-            assert not r.hexists(keys.pool_key(self.pool, "h2b"), h.hex())
-            assert not r.hexists(keys.pool_key(self.pool, "b2h"), str(block))
-        type(self).coverage["hash forgotten"] += 1
+            assert r.hget(keys.pool_key(self.pool, "b2h"), str(o.dst)) != o.block_hash.hex().encode()
+            assert not held or not r.hexists(keys.pool_key(self.pool, "h2b"), o.block_hash.hex())
 
     @precondition(lambda self: self.creates >= 6 and self.reregistrations < 3)
     @rule(kept=st.booleans())
@@ -217,6 +237,7 @@ class TierMachine(RuleBasedStateMachine):
         self.live = []               # (the old epoch's sequences are gone)
         self.client.take_tier_orders()
         self.pending = {}
+        self.loads = []
         self.ready = {k: h for k, h in self.ready.items() if kept and k[0] == 2}
         self.counts = Counter()      # (the counters belong to the epoch)
         type(self).coverage["re-registered, disk kept" if kept else "re-registered"] += 1

@@ -21,8 +21,7 @@ def _settle(c: Client, orders, ok=True) -> int:
     by_pool: dict[tuple[str, int], list] = {}
     for o in orders:
         if o.dst_tier:
-            by_pool.setdefault((o.pool_id, o.epoch), []).append(
-                pb.TierSettlement(tier=o.dst_tier, entry=o.dst, block_hash=o.block_hash, ok=ok))
+            by_pool.setdefault((o.pool_id, o.epoch), []).append(pb.TierSettlement(order=o, ok=ok))
     return sum(c.settle_tiers(p, e, s) for (p, e), s in by_pool.items())
 
 
@@ -103,8 +102,7 @@ def test_a_failed_load_drops_its_entry_and_a_failed_copy_is_never_a_hit(tiered):
     loads = [o for o in c.take_tier_orders() if o.dst_tier == 0]
     assert len(loads) == 2
     # The worker found the second load's bytes wrong: its entry is dropped.
-    assert c.settle_tiers("p", loads[1].epoch, [pb.TierSettlement(tier=1, entry=loads[1].src,
-                                                                  block_hash=loads[1].block_hash, ok=False)]) == 1
+    assert c.settle_tiers("p", loads[1].epoch, [pb.TierSettlement(order=loads[1], ok=False)]) == 1
     host = _tiers(c, "p")["host"]
     assert (host.load_failures, host.failed_copies, host.num_used_blocks) == (1, 1, 1)
     assert audit(url, "p") == []
@@ -113,11 +111,23 @@ def test_a_failed_load_drops_its_entry_and_a_failed_copy_is_never_a_hit(tiered):
 def test_settling_orders_of_an_earlier_epoch_is_refused_and_bad_settlements_change_nothing(tiered):
     server, c, url = tiered
     orders = _evict_a(c)
-    with pytest.raises(errors.InvalidArgument, match="tier must be 1"):
-        c.settle_tiers("p", orders[0].epoch, [pb.TierSettlement(tier=0, entry=0, block_hash=orders[0].block_hash,
-                                                                ok=True)])
+    device = pb.TierOrder()
+    device.CopyFrom(orders[0])
+    device.dst_tier = 0
+    with pytest.raises(errors.InvalidArgument, match="moves nothing through a lower tier"):
+        c.settle_tiers("p", orders[0].epoch, [pb.TierSettlement(order=device, ok=True)])
+    short = pb.TierOrder()
+    short.CopyFrom(orders[0])
+    short.block_hash = b"x"
     with pytest.raises(errors.InvalidArgument, match="16 bytes"):
-        c.settle_tiers("p", orders[0].epoch, [pb.TierSettlement(tier=1, entry=0, block_hash=b"x", ok=True)])
+        c.settle_tiers("p", orders[0].epoch, [pb.TierSettlement(order=short, ok=True)])
+    # An order changed by its holder (another entry, another hash) is not the allocator's.
+    for field, value in (("dst", orders[0].dst + 1), ("block_hash", bytes(16)), ("serial", 1)):
+        forged = pb.TierOrder()
+        forged.CopyFrom(orders[0])
+        setattr(forged, field, value)
+        with pytest.raises(errors.PermissionDenied, match="not an order of the allocator"):
+            c.settle_tiers("p", orders[0].epoch, [pb.TierSettlement(order=forged, ok=True)])
     assert _tiers(c, "p")["host"].num_pending_blocks == 3
     c.register_pool("p", num_blocks=4, block_size=BS, host_tier_blocks=8)     # a new epoch
     with pytest.raises(errors.FailedPrecondition) as info:

@@ -21,7 +21,7 @@ from helpers import sync_redis, wait_for
 from kvservice import errors
 from kvservice.allocator import keys
 from kvservice.client import Client
-from kvservice.common.grants import order_mac, pull_fields
+from kvservice.common.grants import move_fields, order_mac, pull_fields
 from kvservice.tools.launcher import Stack
 from kvservice.v1 import worker_pb2 as pb
 from kvservice.v1 import worker_pb2_grpc as pb_grpc
@@ -293,6 +293,20 @@ def ordered(stack: Stack, items: list, source: str = "worker-0", dst: str = "wor
     return items
 
 
+def moves_ordered(stack: Stack, pool: str, moves: list) -> list:
+    """``moves`` (``BlockMove``s of ``pool``) with tier orders signed as the allocator signs
+    them (its grant key of the pool, read from Redis; as of the pool's serial now, plus one:
+    after every write so far)."""
+    with sync_redis(stack.redis.admin_url) as r:
+        epoch, key = r.hmget(keys.pool_key(pool, "meta"), ["epoch", "grant_key"])
+        now = int(r.hget(keys.pool_key(pool, "state"), "version") or 0)
+    for m in moves:
+        m.serial = now + 1
+        m.order_mac = order_mac(bytes.fromhex(key.decode()), "move", move_fields(
+            pool, int(epoch), m.serial, m.src_tier, m.src, m.dst_tier, m.dst, m.block_hash))
+    return moves
+
+
 class Pair:
     """A client, and a stub of each worker with each pool's epoch."""
 
@@ -403,8 +417,9 @@ def test_a_host_entry_is_fetched_once_its_hash_matches_and_a_mismatch_leaves_the
     pair.write("worker-0", list(src.block_table), seed=3)
     moved = pair.stubs["worker-0"].MoveBlocks(pb.MoveBlocksRequest(
         epoch=pair.epochs["worker-0"], lease_id=pair.client.lease_id, generation=pair.generations["worker-0"],
-        moves=[pb.BlockMove(src_tier=0, src=b, dst_tier=1, dst=i, block_hash=bytes([i + 1]) * 16)
-               for i, b in enumerate(src.block_table)]))
+        moves=moves_ordered(pair.stack, "worker-0", [
+            pb.BlockMove(src_tier=0, src=b, dst_tier=1, dst=i, block_hash=bytes([i + 1]) * 16)
+            for i, b in enumerate(src.block_table)])))
     assert all(r.ok for r in moved.results)
     before = pair.read("worker-1", dst.block_table[1])
     reply = pair.fetch([pb.BlockFetch(src_tier=1, src=0, block_hash=b"\x01" * 16, dst=dst.block_table[0]),

@@ -26,7 +26,7 @@ from typing import Iterable
 import numpy as np
 
 from kvservice import errors
-from kvservice.common.grants import Grant, order_valid, pull_fields
+from kvservice.common.grants import Grant, move_fields, order_valid, pull_fields
 from kvservice.common.settings import echo
 
 
@@ -59,6 +59,10 @@ class BlockRights:
         # process started). Kept across epochs: the memory is.
         self._tenants: dict[str, int] = {}
         self._content = np.full(num_blocks, -1, dtype=np.int64)
+        # The serial of the grant under which each block was last written (or zeroed): a
+        # copy down ordered as of a serial no newer than that would copy other bytes than
+        # the order's hash names.
+        self._written = np.zeros(num_blocks, dtype=np.int64)
         #: Grants refused (a bad MAC, another pool or epoch, another tenant's).
         self.refused = 0
         #: Calls refused for a block no grant of theirs covers.
@@ -67,6 +71,7 @@ class BlockRights:
     def reset(self, epoch: int, key: bytes) -> None:
         """A new epoch and its key: every grant seen so far is void."""
         self.epoch, self._key = epoch, key
+        self._written.fill(0)
         self.clear()
 
     def clear(self) -> None:
@@ -101,6 +106,8 @@ class BlockRights:
             grant = g if isinstance(g, Grant) else Grant.from_pb(g)
             self._verify(grant, caller_tenant, generation, f"{what}: grants[{i}]")
             zero.extend(self._apply(grant))
+        if zero:                                    # (zeroed before the call runs: written)
+            self._written[zero] = self._since[zero]
         return zero
 
     def _verify(self, g: Grant, caller_tenant: str | None, generation: int | None, what: str) -> None:
@@ -171,14 +178,17 @@ class BlockRights:
         """
         if not self.enforced:
             return
-        refusal = self._first_refusal(lease_id, write, read, what)
+        w = np.fromiter(write, dtype=np.int64)
+        refusal = self._first_refusal(lease_id, w, read, what)
         if refusal:
             self.denied += 1
             raise errors.PermissionDenied(refusal)
+        if w.size:
+            w = w[(w >= 0) & (w < self.num_blocks)]
+            self._written[w] = self._since[w]
 
-    def _first_refusal(self, lease_id: str, write: Iterable[int], read: Iterable[int], what: str) -> str:
+    def _first_refusal(self, lease_id: str, w: np.ndarray, read: Iterable[int], what: str) -> str:
         idx = self._index.get(lease_id, -2)
-        w = np.fromiter(write, dtype=np.int64)
         if w.size:
             w = w[(w >= 0) & (w < self.num_blocks)]         # (out of range: the pool's own checks say so)
             bad = w[self._writer[w] != idx]
@@ -219,6 +229,35 @@ class BlockRights:
                         f"to a writer (serial {b.pull_serial} < {int(self._since[b.index])}): the block may hold "
                         f"other bytes now; fetch it again with a new order")
         return ""
+
+    def move_refusal(self, moves: Iterable) -> str:
+        """Why MoveBlocks' ``moves`` (``BlockMove``s) are refused ("" when they are not): a
+        move that is not the allocator's order (its MAC under this pool's key over
+        ``grants.move_fields``). A refused call runs no move."""
+        if not self.enforced:
+            return ""
+        for i, m in enumerate(moves):
+            fields = move_fields(self.pool_id, self.epoch, m.serial, m.src_tier, m.src, m.dst_tier, m.dst, m.block_hash)
+            if not order_valid(self._key, "move", fields, m.order_mac):
+                self.refused += 1
+                return (f"moves[{i}] (tier {m.src_tier} {'block' if m.src_tier == 0 else 'entry'} {m.src} -> tier "
+                        f"{m.dst_tier} {'block' if m.dst_tier == 0 else 'entry'} {m.dst}) is not an order of the "
+                        f"allocator for pool {self.pool_id} at epoch {self.epoch} (a move runs only as the allocator "
+                        f"ordered it, with its order_mac)")
+        return ""
+
+    def stale_copies(self, moves: list) -> dict[int, str]:
+        """The moves (by index) that copy a device block written, or zeroed, under a grant as
+        new as the order's serial: its bytes are no longer the ones the order's hash names,
+        and the move fails (the allocator drops the entry when it is settled)."""
+        out = {}
+        if not self.enforced:
+            return out
+        for i, m in enumerate(moves):
+            if m.src_tier == 0 and 0 <= m.src < self.num_blocks and self._written[m.src] >= m.serial:
+                out[i] = (f"device block {m.src} was written after this copy was ordered (serial {m.serial}, written "
+                          f"under {int(self._written[m.src])}): not copied")
+        return out
 
     def forget(self, lease_ids: Iterable[str]) -> None:
         """Drops dead leases (their blocks go to others with newer grants)."""

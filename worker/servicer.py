@@ -149,18 +149,33 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 raise errors.InvalidArgument(f"moves[{i}].block_hash has {len(m.block_hash)} bytes, at most 16")
         if self.tiers is None:
             raise errors.FailedPrecondition("this worker has no lower tier (start it with --host-tier-gb)")
+        rights = self.fence.rights
+        stale: dict[int, str] = {}
+        if rights is not None:
+            refusal = rights.move_refusal(request.moves)
+            if refusal:
+                raise errors.PermissionDenied(f"MoveBlocks: {refusal}")
+            stale = rights.stale_copies(request.moves)     # (before this call's writes count)
         zero = set(self._admit(request.grants, request.lease_id, "MoveBlocks",
                                write=[m.dst for m in request.moves if m.dst_tier == 0],
                                read=[m.src for m in request.moves if m.src_tier == 0]))
         # (a block that changed tenant is zeroed after the copies down that read its old
         # content, before an order that writes it)
         orders = [(m.src_tier, m.src, m.dst_tier, m.dst, m.block_hash) for m in request.moves]
-        done = [] if zero else self.tiers.run(orders)
-        for i, order in enumerate(orders if zero else ()):
+        done: list[str] = []
+        batch: list[tuple] = []                 # (run together: one stream sync on a GPU)
+        for i, order in enumerate(orders):
+            if (order[2] == 0 and order[3] in zero) or i in stale:
+                done.extend(self.tiers.run(batch) if batch else ())
+                batch = []
             if order[2] == 0 and order[3] in zero:
                 self.pool.zero(sorted(zero & {o[3] for o in orders[i:] if o[2] == 0}))
                 zero -= {o[3] for o in orders[i:] if o[2] == 0}
-            done.extend(self.tiers.run([order]))
+            if i in stale:
+                done.append(stale[i])
+            else:
+                batch.append(order)
+        done.extend(self.tiers.run(batch) if batch else ())
         self.pool.zero(sorted(zero))
         moved = sum(1 for e in done if not e)
         return pb.MoveBlocksResponse(results=[pb.MoveResult(ok=not e, error=e) for e in done],

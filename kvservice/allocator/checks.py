@@ -7,12 +7,14 @@ Each check raises ``kvservice.errors.InvalidArgument`` naming the offending fiel
 from __future__ import annotations
 
 import hashlib
+import hmac
 from typing import Any
 
 from kvservice import errors
 from kvservice.allocator import codec
 from kvservice.allocator.domain import LEASE_ID, REQUEST_ID, Create, LeaseInfo, SeqState, format_sequence_id
 from kvservice.common import hashing
+from kvservice.common.auth import caller
 from kvservice.common.geometry import Geometry
 from kvservice.common.settings import check_pool_id, echo
 
@@ -108,3 +110,12 @@ def check_create(c: Create, max_sequence_tokens: int) -> bytes:
     if c.pool_role not in ("", "store"):
         raise errors.InvalidArgument(f"pool_role must be empty or \"store\", got {echo(c.pool_role)}")
     return data
+
+
+def tag_fits(tag: str, lease_id: str, pool_id: str, epoch: int, n: int) -> bool:
+    """Whether a sequence id's tag is the one ``lease_id`` gives it; a missing tag fits for
+    an admin and when nobody is authenticated."""
+    if not tag:
+        ident = caller()
+        return ident is None or ident.role == "admin"
+    return hmac.compare_digest(tag, hashing.sequence_tag(lease_id, pool_id, epoch, n))

@@ -18,8 +18,8 @@ from typing import Any
 
 from kvservice import errors
 from kvservice.allocator.config import Settings, cache_groups, tenant_quotas
-from kvservice.allocator.domain import TENANT, Heartbeat, LeaseInfo, PoolInfo
-from kvservice.common.grants import new_key
+from kvservice.allocator.domain import TENANT, Heartbeat, LeaseInfo, Order, PoolInfo
+from kvservice.common.grants import move_fields, new_key, order_mac, pull_fields
 from kvservice.allocator.checks import (MAX_INT, check_lease_id, check_pool_arg, check_request_id, fingerprint,
                                         geometry_of, lease_info)
 from kvservice.allocator.reaping import ReapSchedule
@@ -112,6 +112,26 @@ class Allocator(StepOps, ReserveOps, TierOps):
         if known is None or known[0] != epoch:
             known = self._grant_keys[pool_id] = await self.store.grant_key(pool_id)
         return known[1] if known[0] == epoch else b""
+
+    async def signed_orders(self, orders: list[Order]) -> list[Order]:
+        """``orders`` with their MACs (``grants``): a fetch's under the source pool's grant key
+        (the source's worker serves the block to the order's pool only with it), a tier
+        order's under its pool's (the pool's worker runs no move without it, and
+        ``SettleTiers`` settles or forgets only on orders it gave; a fetch of nothing, src -1,
+        is signed too: its block is forgotten on it)."""
+        out = []
+        for o in orders:
+            if o.source_pool_id:
+                key = await self.grant_key(o.source_pool_id, o.source_epoch)
+                o = o._replace(order_mac=order_mac(key, "pull", pull_fields(
+                    o.source_pool_id, o.source_epoch, o.pool_id, o.serial, o.src_tier, o.src, o.block_hash))
+                    if key else b"")
+            else:
+                key = await self.grant_key(o.pool_id, o.epoch)
+                o = o._replace(order_mac=order_mac(key, "move", move_fields(
+                    o.pool_id, o.epoch, o.serial, o.src_tier, o.src, o.dst_tier, o.dst, o.block_hash)) if key else b"")
+            out.append(o)
+        return out
 
     async def list_pools(self) -> list[PoolInfo]:
         """Every pool (read a page of ``FAN_OUT`` at a time)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvservice import errors
 from kvservice.common import hashing
@@ -115,9 +115,8 @@ class StepOutcome:
     failed_pools: list[str] = field(default_factory=list)
     #: the generation of each pool whose part was applied
     generations: dict[str, int] = field(default_factory=dict)
-    #: lower-tier orders (pool, epoch, src_tier, src, dst_tier, dst, block hash): TierOrder;
-    #: a fetch adds (source pool, source epoch, pin id)
-    tier_orders: list[tuple] = field(default_factory=list)
+    #: lower-tier orders and fetches (``Order``)
+    tier_orders: list[Order] = field(default_factory=list)
     #: per pool whose part gave the lease blocks: the signed grant of them (``grants.Grant``)
     grants: dict[str, Any] = field(default_factory=dict)
 
@@ -195,14 +194,37 @@ class ReserveGrant:
     generation: int = 0
     rolled_back: bool = False
     #: copies down a tier of the blocks the refill evicted (StepOutcome.tier_orders)
-    tier_orders: tuple[tuple[str, int, int, int, int, int, bytes], ...] = ()
+    tier_orders: tuple[Order, ...] = ()
     #: the signed grant of ``granted_blocks`` (``grants.Grant``; None: none granted)
     grant: Any = None
 
 
-def tier_orders_of(pool_id: str, epoch: int, reply: dict) -> list[tuple[str, int, int, int, int, int, bytes]]:
-    """A script reply's ``tier_orders`` ([src_tier, src, dst_tier, dst, hash hex]) as tuples."""
-    return [(pool_id, epoch, int(o[0]), int(o[1]), int(o[2]), int(o[3]), bytes.fromhex(o[4]))
+class Order(NamedTuple):
+    """An order to a pool's worker (TierOrder): a move between its tiers (a copy of a device
+    block down a tier, a load back, a move between the lower tiers), or a fetch of a block
+    another pool's worker holds (``source_pool_id`` set). ``serial``: the pool's change
+    counter the order holds as of (a fetch's: the source pool's when the block was pinned).
+    ``order_mac``: the allocator's MAC (``Allocator.signed_orders``), "" until signed."""
+
+    pool_id: str
+    epoch: int
+    src_tier: int
+    src: int
+    dst_tier: int
+    dst: int
+    block_hash: bytes
+    source_pool_id: str = ""
+    source_epoch: int = 0
+    pin_id: str = ""
+    serial: int = 0
+    order_mac: bytes = b""
+
+
+def tier_orders_of(pool_id: str, epoch: int, reply: dict) -> list[Order]:
+    """A script reply's ``tier_orders`` ([src_tier, src, dst_tier, dst, hash hex]) as
+    unsigned orders, as of the reply's serial."""
+    serial = int(reply.get("serial") or 0)
+    return [Order(pool_id, epoch, int(o[0]), int(o[1]), int(o[2]), int(o[3]), bytes.fromhex(o[4]), serial=serial)
             for o in reply.get("tier_orders") or ()]
 
 

@@ -190,7 +190,8 @@ class ReserveOps:
         return ReserveGrant(r.pool_id, last["epoch"], granted, last["num_reserved"], last["cap"],
                             reply["applied"], reply["first_sequence_number"], reply["num_sequence_numbers"],
                             quota=quota, quota_limit=last["quota_limit"] if last["quota"] else reply["quota_limit"],
-                            generation=int(last["generation"]), tier_orders=tuple(orders), grant=grant)
+                            generation=int(last["generation"]), tier_orders=tuple(await self.signed_orders(orders)),
+                            grant=grant)
 
     async def _resync_parts(self, lease_id: str, pool_id: str, payload: dict[str, Any],
                             claims: list[dict[str, Any]]) -> dict[str, Any]:

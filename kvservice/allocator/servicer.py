@@ -7,7 +7,8 @@ from typing import Any
 from kvservice.allocator.access import TENANT, Access
 from kvservice.allocator.audit import run_audit
 from kvservice.allocator.core import Allocator
-from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, PoolInfo, ReserveGrant,
+from kvservice.allocator.tiers import order_of
+from kvservice.allocator.domain import (Create, JournalColumns, LeaseHoldings, LeaseInfo, Order, PoolInfo, ReserveGrant,
                                         ReserveRequest, SeqDelta, SeqState, SequenceClaim, StepOutcome, Update)
 from kvservice.common.auth import caller
 from kvservice.common.geometry import Geometry
@@ -63,15 +64,10 @@ def reserve_to_pb(g: ReserveGrant) -> pb.PoolReserve:
                           grant=g.grant.to_pb(pb) if g.grant is not None else None)
 
 
-def tier_order_to_pb(o: tuple) -> pb.TierOrder:
-    """(pool, epoch, src_tier, src, dst_tier, dst, block hash[, source pool, source epoch,
-    pin id, pull serial[, order MAC]]) as a TierOrder (a fetch with the last ones)."""
-    out = pb.TierOrder(pool_id=o[0], epoch=o[1], src_tier=o[2], src=o[3], dst_tier=o[4], dst=o[5], block_hash=o[6])
-    if len(o) > 7:
-        out.source_pool_id, out.source_epoch, out.pin_id, out.pull_serial = o[7], o[8], o[9], o[10]
-        if len(o) > 11:
-            out.order_mac = o[11]
-    return out
+def tier_order_to_pb(o: Order) -> pb.TierOrder:
+    return pb.TierOrder(pool_id=o.pool_id, epoch=o.epoch, src_tier=o.src_tier, src=o.src, dst_tier=o.dst_tier,
+                        dst=o.dst, block_hash=o.block_hash, source_pool_id=o.source_pool_id,
+                        source_epoch=o.source_epoch, pin_id=o.pin_id, serial=o.serial, order_mac=o.order_mac)
 
 
 def seq_to_pb(s: SeqState) -> pb.Sequence:
@@ -259,9 +255,12 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     async def SettleTiers(self, request: pb.SettleTiersRequest, context: Any) -> pb.SettleTiersResponse:
         Access.pool(request.pool_id, "SettleTiers")
+        if request.unwritten:
+            await self.access.lease(request.lease_id)
         n, released, forgotten = await self.a.settle_tiers(
-            request.pool_id, request.epoch, [(s.tier, s.entry, s.block_hash, s.ok) for s in request.settled],
-            list(request.release_pins), list(request.forget_blocks))
+            request.pool_id, request.epoch, [(order_of(s.order), s.ok) for s in request.settled],
+            list(request.release_pins), [order_of(o) for o in request.forget], request.lease_id,
+            [(u.sequence_id, u.first_block) for u in request.unwritten])
         return pb.SettleTiersResponse(num_settled=n, num_released=released, num_forgotten=forgotten)
 
     async def Audit(self, request: pb.AuditRequest, context: Any) -> pb.AuditResponse:

@@ -14,16 +14,15 @@ from typing import Any, Mapping
 
 from kvservice import errors
 from kvservice.allocator.checks import (MAX_INT, check_create, check_lease_id, check_request_id, commit_payload,
-                                        epoch_error, fingerprint, seq_state)
+                                        epoch_error, fingerprint, seq_state, tag_fits)
 from kvservice.allocator import events
 from kvservice.allocator.codec import LEASE_UNKNOWN, STALE_EPOCH, TOO_BIG, ScriptError
 from kvservice.allocator.generations import KNOWN_GENERATIONS, known_generation
 from kvservice.allocator.runs import Probe, RunOps
-from kvservice.allocator.domain import (Create, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
+from kvservice.allocator.domain import (Create, Order, SeqDelta, SeqState, StepOutcome, Update, format_sequence_id,
                                         parse_sequence_id, tier_orders_of)
 from kvservice.common import hashing
-from kvservice.common.grants import Grant, order_mac, pack_blocks, pull_fields
-from kvservice.common.auth import caller
+from kvservice.common.grants import Grant, pack_blocks
 from kvservice.common.geometry import Geometry
 
 #: Placement's credit for a prompt block ready in a lower tier, as a share of a block
@@ -54,7 +53,7 @@ class StepOps(RunOps):
             raise errors.NotFound(f"pool {pool_id} is not registered")
         if current != epoch:
             raise epoch_error(sequence_id, pool_id, epoch, current)
-        if rec is None or rec["state"] or not _tag_fits(tag, rec["lease_id"], pool_id, epoch, n):
+        if rec is None or rec["state"] or not tag_fits(tag, rec["lease_id"], pool_id, epoch, n):
             raise errors.NotFound(f"sequence {sequence_id} not found")
         _, geo = await self.geometry(pool_id)
         return seq_state(pool_id, epoch, {"sequence": n, **rec}, rec["lease_id"], geo.block_size)
@@ -89,7 +88,7 @@ class StepOps(RunOps):
             ids = parsed.get(sid)
             if ids is None or ids[4] != lease_id:
                 pool_id, epoch, n, tag = parse_sequence_id(sid)
-                if not _tag_fits(tag, lease_id, pool_id, epoch, n):
+                if not tag_fits(tag, lease_id, pool_id, epoch, n):
                     await self._check_lease(lease_id)     # (an unknown or expired lease is the error then)
                     raise errors.NotFound(f"sequence {sid} not found")
                 ids = (pool_id, epoch, n, format_sequence_id(pool_id, epoch, n, lease_id), lease_id, tag)
@@ -217,8 +216,8 @@ class StepOps(RunOps):
                                self._geometry[pool_id][1].block_size, reply)
             if grant is not None:
                 outcome.grants[pool_id] = grant.signed(await self.grant_key(pool_id, grant.epoch))
-        if any(len(o) > 7 for o in outcome.tier_orders):
-            outcome.tier_orders[:] = await self.signed_fetches(outcome.tier_orders)
+        if outcome.tier_orders:
+            outcome.tier_orders[:] = await self.signed_orders(outcome.tier_orders)
         if first_error is not None:
             if not creates and isinstance(first_error, (errors.NotFound, errors.PermissionDenied)):
                 # Updates alone never look the lease up (a pool knows the leases of its
@@ -230,19 +229,6 @@ class StepOps(RunOps):
             raise first_error
         return outcome
 
-
-    async def signed_fetches(self, orders: list[tuple]) -> list[tuple]:
-        """``orders`` with each fetch order's MAC (its 12th field) under the source pool's
-        grant key: the source's worker serves the block to the order's pool only with it
-        (``grants.pull_fields``). A fetch of nothing (src -1) and a tier move stay as they are."""
-        out = []
-        for o in orders:
-            if len(o) > 7 and o[3] >= 0:
-                key = await self.grant_key(o[7], o[8])
-                mac = order_mac(key, "pull", pull_fields(o[7], o[8], o[0], o[10], o[2], o[3], o[6])) if key else b""
-                o = (*o[:11], mac)
-            out.append(o)
-        return out
 
     def _update_payload(self, u: Update, n: int, epoch: int, geo: Geometry, tag: str) -> dict[str, Any]:
         """The update as the step script takes it (``scripts/step.lua``). Runs for every
@@ -464,7 +450,7 @@ class StepOps(RunOps):
     async def _release_unused(self, pins: list[tuple[str, int, str]], outcome: StepOutcome) -> None:
         """Releases the pins that no fetch order of the outcome names (the create found its
         prefix in its own pool after all, or the step failed there)."""
-        used = {o[9] for o in outcome.tier_orders if len(o) > 7}
+        used = {o.pin_id for o in outcome.tier_orders if o.source_pool_id}
         for source, epoch, pin_id in pins:
             if pin_id not in used:
                 try:
@@ -486,7 +472,7 @@ class StepOps(RunOps):
         check_lease_id(lease_id)
         check_request_id(request_id)
         source, epoch, n, tag = parse_sequence_id(sequence_id)
-        if not _tag_fits(tag, lease_id, source, epoch, n):
+        if not tag_fits(tag, lease_id, source, epoch, n):
             await self._check_lease(lease_id)
             raise errors.NotFound(f"sequence {sequence_id} not found")
         current, rec = await self.store.get_sequence(source, n)
@@ -553,8 +539,8 @@ class StepOps(RunOps):
         for _, position, block in reply.get("fetches") or ():
             tier, src = pinned[position - 1] if position <= len(pinned) else (0, -1)
             h = bytes.fromhex(hashes[position - 1]) if position <= len(hashes) else b""
-            orders.append((dest, reply["epoch"], tier, src, 0, block, h, source, epoch, pin_id, serial))
-        orders = await self.signed_fetches(orders)
+            orders.append(Order(dest, reply["epoch"], tier, src, 0, block, h, source, epoch, pin_id, serial))
+        orders = await self.signed_orders(orders)
         if not orders:
             await self._release_unused([(source, epoch, pin_id)], StepOutcome([], [], []))
         grant = step_grant(dest, lease_id, tenant, bs, reply)
@@ -618,7 +604,7 @@ class StepOps(RunOps):
                                                                                         "", 0))
             k = position - first
             tier, src = pinned[k] if 0 <= k < len(pinned) else (0, -1)
-            outcome.tier_orders.append((pool_id, epoch, tier, src, 0, block, h, source, source_epoch, pin_id, serial))
+            outcome.tier_orders.append(Order(pool_id, epoch, tier, src, 0, block, h, source, source_epoch, pin_id, serial))
         outcome.generations[pool_id] = int(reply["generation"])
 
     def _salt(self, tenant: str) -> str:
@@ -669,10 +655,3 @@ def _same_kv(a: Geometry, b: Geometry) -> bool:
         (b.block_size, b.num_layers, b.num_kv_heads, b.head_dim, b.dtype)
 
 
-def _tag_fits(tag: str, lease_id: str, pool_id: str, epoch: int, n: int) -> bool:
-    """Whether a sequence id's tag is the one ``lease_id`` gives it; a missing tag fits for
-    an admin and when nobody is authenticated."""
-    if not tag:
-        ident = caller()
-        return ident is None or ident.role == "admin"
-    return hmac.compare_digest(tag, hashing.sequence_tag(lease_id, pool_id, epoch, n))

@@ -348,13 +348,14 @@ class Store:
                                 {"pool": pool_id, "epoch": epoch, "dead_since_ms": dead_since_ms,
                                  "max_dead": max_dead})
 
-    async def tier_settle(self, pool_id: str, epoch: int, settled: list[list[Any]],
-                          release: list[str] = (), forget: list[int] = ()) -> dict[str, Any]:
+    async def tier_settle(self, pool_id: str, epoch: int, settled: list[list[Any]], release: list[str] = (),
+                          forget: list[list[Any]] = (), lease_id: str = "",
+                          unwritten: list[list[int]] = ()) -> dict[str, Any]:
         """The worker's word on lower-tier orders of one pool, the read pins of its
         fetches that ran, and the blocks whose hashes go (``tier_settle.lua``)."""
         return await self._call("tier_settle", keys.pool_keys(pool_id),
                                 {"pool": pool_id, "epoch": epoch, "settled": settled, "release": list(release),
-                                 "forget": list(forget)})
+                                 "forget": list(forget), "lease": lease_id, "unwritten": list(unwritten)})
 
     async def draining(self, pool_id: str) -> bool:
         """Whether the pool is being drained (``kvservice drain``): it takes no new

@@ -8,7 +8,9 @@ import re
 from typing import Any
 
 from kvservice import errors
-from kvservice.allocator.checks import MAX_INT, check_pool_arg
+from kvservice.allocator.checks import MAX_INT, check_pool_arg, tag_fits
+from kvservice.allocator.domain import Order, parse_sequence_id
+from kvservice.common.grants import move_fields, order_valid, pull_fields
 from kvservice.common.settings import echo
 from kvservice.allocator.store import Store
 
@@ -93,39 +95,118 @@ class TierOps:
     """``SettleTiers`` (the ``Allocator``'s)."""
 
     store: Store
+    grant_key: Any
 
-    async def settle_tiers(self, pool_id: str, epoch: int, settled: list[tuple[int, int, bytes, bool]],
-                           release_pins: list[str] = (), forget_blocks: list[int] = ()) -> tuple[int, int, int]:
-        """Settles lower-tier entries of one pool (``tier_settle.lua``): a confirmed copy
+    async def settle_tiers(self, pool_id: str, epoch: int, settled: list[tuple[Order, bool]],
+                           release_pins: list[str] = (), forget: list[Order] = (), lease_id: str = "",
+                           unwritten: list[tuple[str, int]] = ()) -> tuple[int, int, int]:
+        """Settles lower-tier orders of one pool (``tier_settle.lua``): a confirmed copy
         makes its entry usable, a failed copy or load drops it; releases the read pins of
-        fetches from the pool that ran; drops the hashes of ``forget_blocks`` (blocks whose
-        content is not what their hash says). Returns how many entries still held their
-        hash, how many pins were released and how many blocks lost a hash."""
+        fetches from the pool that ran; drops the hash of the device block of each order of
+        ``forget`` (a load or fetch into it that failed: its content is not what the hash
+        says) when the block still holds it; drops the hashes of the blocks of each
+        sequence of ``unwritten`` (a sequence of ``lease_id``, its blocks from the index
+        given on, but never those of its cached prefix: others wrote those) whose KV its
+        forward never wrote. Each order is one the allocator gave (its ``order_mac``), for
+        this pool and epoch. Returns how many entries still held their
+        hash, how many pins were released and how many blocks lost a hash.
+
+        Raises:
+            InvalidArgument: a malformed request, or an order of another pool or epoch, or
+                of the wrong kind (a settlement's is a move, a forget's fills a device block).
+            PermissionDenied: an order that is not the allocator's.
+            FailedPrecondition: the pool is at another epoch (EPOCH_CHANGED).
+        """
         check_pool_arg(pool_id)
         if not 1 <= epoch <= MAX_INT:
             raise errors.InvalidArgument(f"epoch must be in 1..{MAX_INT}, got {epoch}")
         if len(settled) > MAX_SETTLEMENTS:
             raise errors.InvalidArgument(f"at most {MAX_SETTLEMENTS} settlements per call, got {len(settled)}")
-        rows = []
-        for i, (tier, entry, block_hash, ok) in enumerate(settled):
-            if tier not in TIER_NAMES:
-                raise errors.InvalidArgument(f"settled[{i}].tier must be 1 (host) or 2 (disk), got {tier}")
-            if not 0 <= entry < MAX_TIER_BLOCKS:
-                raise errors.InvalidArgument(f"settled[{i}].entry {entry} is out of range")
-            if len(block_hash) != 16:
-                raise errors.InvalidArgument(f"settled[{i}].block_hash must be 16 bytes, got {len(block_hash)}")
-            rows.append([tier, entry, block_hash.hex(), bool(ok)])
+        if len(forget) > MAX_SETTLEMENTS:
+            raise errors.InvalidArgument(f"at most {MAX_SETTLEMENTS} forget orders per call, got {len(forget)}")
+        if len(unwritten) > MAX_RELEASES:
+            raise errors.InvalidArgument(f"at most {MAX_RELEASES} unwritten sequences per call, got {len(unwritten)}")
+        seqs = []
+        for i, (sid, first) in enumerate(unwritten):
+            pool, seq_epoch, n, tag = parse_sequence_id(sid)
+            if (pool, seq_epoch) != (pool_id, epoch) or not tag_fits(tag, lease_id, pool, seq_epoch, n):
+                raise errors.InvalidArgument(f"unwritten[{i}]: sequence {echo(sid)} is not one of lease "
+                                             f"{echo(lease_id)} in pool {pool_id} at epoch {epoch}")
+            if not 0 <= first <= MAX_INT:
+                raise errors.InvalidArgument(f"unwritten[{i}].first_block {first} is out of range")
+            seqs.append([n, first])
         if len(release_pins) > MAX_RELEASES:
             raise errors.InvalidArgument(f"at most {MAX_RELEASES} pins released per call, got {len(release_pins)}")
         for i, pin in enumerate(release_pins):
             if not PIN_ID.fullmatch(pin):
                 raise errors.InvalidArgument(f"release_pins[{i}] {echo(pin)} is not a pin id (32 hex digits)")
-        if len(forget_blocks) > MAX_SETTLEMENTS:
-            raise errors.InvalidArgument(f"at most {MAX_SETTLEMENTS} forget_blocks per call, got {len(forget_blocks)}")
-        for i, b in enumerate(forget_blocks):
-            if not 0 <= b <= MAX_INT:
-                raise errors.InvalidArgument(f"forget_blocks[{i}] {b} is out of range")
-        if not rows and not release_pins and not forget_blocks:
+        if not settled and not release_pins and not forget and not seqs:
             return 0, 0, 0
-        reply = await self.store.tier_settle(pool_id, epoch, rows, list(release_pins), list(forget_blocks))
+        for i, (o, _) in enumerate(settled):
+            what = f"settled[{i}].order"
+            self._check_order(o, pool_id, epoch, what)
+            if o.source_pool_id:
+                raise errors.InvalidArgument(f"{what} is a fetch: its pins are released (release_pins), not settled")
+            if not o.dst_tier and not o.src_tier:
+                raise errors.InvalidArgument(f"{what} moves nothing through a lower tier (tiers {o.src_tier} -> "
+                                             f"{o.dst_tier})")
+        for i, o in enumerate(forget):
+            self._check_order(o, pool_id, epoch, f"forget[{i}]")
+            if o.dst_tier:
+                raise errors.InvalidArgument(f"forget[{i}] fills no device block (dst_tier {o.dst_tier}): only a load "
+                                             f"or a fetch that failed leaves a block to forget")
+        rows, forget_rows = [], []
+        if settled or forget:
+            now, key = await self.store.grant_key(pool_id)
+            if not now:
+                raise errors.NotFound(f"pool {pool_id} is not registered")
+            if now != epoch:
+                raise errors.FailedPrecondition(f"pool {pool_id} is at epoch {now}, not {epoch}: its worker restarted "
+                                                f"and the orders of its earlier epoch are void", reason="EPOCH_CHANGED")
+            for i, (o, ok) in enumerate(settled):
+                self._check_mac(key, o, f"settled[{i}].order")
+                tier, entry = (o.dst_tier, o.dst) if o.dst_tier else (o.src_tier, o.src)
+                rows.append([tier, entry, o.block_hash.hex(), bool(ok)])
+            for i, o in enumerate(forget):
+                if o.source_pool_id:
+                    source_key = await self.grant_key(o.source_pool_id, o.source_epoch)
+                    if not source_key:
+                        continue            # (the source restarted: its orders can no longer be checked)
+                    self._check_mac(source_key, o, f"forget[{i}]")
+                else:
+                    self._check_mac(key, o, f"forget[{i}]")
+                forget_rows.append([o.dst, o.block_hash.hex()])
+        reply = await self.store.tier_settle(pool_id, epoch, rows, list(release_pins), forget_rows, lease_id, seqs)
         return int(reply["settled"]), int(reply.get("released", 0)), int(reply.get("forgotten", 0))
+
+    @staticmethod
+    def _check_order(o: Order, pool_id: str, epoch: int, what: str) -> None:
+        if o.pool_id != pool_id or o.epoch != epoch:
+            raise errors.InvalidArgument(f"{what} is for pool {echo(o.pool_id)} at epoch {o.epoch}, not {pool_id} at "
+                                         f"epoch {epoch} (settle each pool's orders with that pool)")
+        for tier in (o.src_tier, o.dst_tier):
+            if tier not in (DEVICE, HOST, DISK):
+                raise errors.InvalidArgument(f"{what}: tiers are 0 (device), 1 (host), 2 (disk); got {tier}")
+        for name, index in (("src", o.src), ("dst", o.dst)):
+            if not -1 <= index < MAX_TIER_BLOCKS:
+                raise errors.InvalidArgument(f"{what}.{name} {index} is out of range")
+        if len(o.block_hash) != 16:
+            raise errors.InvalidArgument(f"{what}.block_hash must be 16 bytes, got {len(o.block_hash)}")
+
+    @staticmethod
+    def _check_mac(key: bytes, o: Order, what: str) -> None:
+        if o.source_pool_id:
+            fields = pull_fields(o.source_pool_id, o.source_epoch, o.pool_id, o.serial, o.src_tier, o.src, o.block_hash)
+            kind = "pull"
+        else:
+            fields = move_fields(o.pool_id, o.epoch, o.serial, o.src_tier, o.src, o.dst_tier, o.dst, o.block_hash)
+            kind = "move"
+        if not order_valid(key, kind, fields, o.order_mac):
+            raise errors.PermissionDenied(f"{what} is not an order of the allocator (its order_mac does not match "
+                                          f"it): a caller settles only the orders it was given, as it was given them")
+
+
+def order_of(o: Any) -> Order:
+    """A TierOrder message as an ``Order``."""
+    return Order(o.pool_id, o.epoch, o.src_tier, o.src, o.dst_tier, o.dst, o.block_hash, o.source_pool_id,
+                 o.source_epoch, o.pin_id, o.serial, o.order_mac)

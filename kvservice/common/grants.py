@@ -20,7 +20,13 @@ The same key signs the allocator's **orders** to the pool's worker that others c
 fetch order (``order_mac("pull", pull_fields(...))``) names a block or entry of the pool,
 the pool it goes to and the pool's serial when it was pinned; the pool's worker serves a
 pull only for blocks with such an order, to the worker of the pool it names, and not a
-device block granted to a writer since that serial (it may hold other bytes by then).
+device block granted to a writer since that serial (it may hold other bytes by then). A
+tier order (``order_mac("move", move_fields(...))``: a copy of a device block down a tier,
+a load back, a move between the lower tiers) names its source, its destination and the
+hash the entry is to hold; the pool's worker runs no move without one, and copies no device
+block written under a grant as new as the order's serial (its bytes are no longer those of
+the hash). ``SettleTiers`` takes the same orders back: the allocator settles an entry, or
+forgets the hash of a block a load or fetch failed to fill, only on an order it gave.
 
 Encoding: every field is tagged and length-prefixed before it is hashed, so that no two
 different field lists hash the same bytes; block ids travel as little-endian uint32 arrays
@@ -142,6 +148,14 @@ def pull_fields(source_pool: str, source_epoch: int, dst_pool: str, serial: int,
     return (source_pool, source_epoch, dst_pool, serial, tier, index, block_hash)
 
 
+def move_fields(pool: str, epoch: int, serial: int, src_tier: int, src: int, dst_tier: int, dst: int,
+                block_hash: bytes) -> tuple:
+    """The fields a tier order's MAC covers (a copy down a tier, a load, a move between the
+    lower tiers): which block or entry of which pool and epoch goes where, under which hash,
+    as of which serial of the pool."""
+    return (pool, epoch, serial, src_tier, src, dst_tier, dst, block_hash)
+
+
 def order_mac(key: bytes, kind: str, fields: Sequence[int | str | bytes]) -> bytes:
     """The MAC of an allocator's order of ``kind`` (e.g. "move", "pull") over its fields."""
     return _mac(key, ORDER, (kind, *fields))
@@ -152,5 +166,5 @@ def order_valid(key: bytes, kind: str, fields: Sequence[int | str | bytes], mac:
     return len(mac) == MAC_BYTES and hmac.compare_digest(mac, order_mac(key, kind, fields))
 
 
-__all__ = ["GRANT", "Grant", "KEY_BYTES", "MAC_BYTES", "ORDER", "new_key", "order_mac", "order_valid", "pack_blocks",
-           "pull_fields", "unpack_blocks"]
+__all__ = ["GRANT", "Grant", "KEY_BYTES", "MAC_BYTES", "ORDER", "move_fields", "new_key", "order_mac", "order_valid",
+           "pack_blocks", "pull_fields", "unpack_blocks"]

@@ -127,7 +127,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "Read pins released at their deadline rather than by their fetch's settlement (a fetch lost with its engine)."),
     _m("pool_forgotten_blocks_total", "counter", POOL, "exporter",
        "Cached blocks whose hash was dropped because their content is not what it says (a prompt a failed step never "
-       "wrote, a failed load or fetch; SettleTiers forget_blocks)."),
+       "wrote, a failed load or fetch; SettleTiers forget and unwritten)."),
     # --- lower tiers (DESIGN §12), per pool and tier (host, disk), from Redis, exported by the exporter
     _m("pool_tier_capacity_blocks", "gauge", ("pool", "tier"), "exporter", "Entries (blocks) of the pool's tier."),
     _m("pool_tier_used_blocks", "gauge", ("pool", "tier"), "exporter",

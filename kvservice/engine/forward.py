@@ -217,8 +217,20 @@ class ForwardPath:
         if getattr(exc, "reason", "") != "EPOCH_CHANGED":
             # The pool lives on (the worker may come back at the same epoch): the prompts
             # this step did not write keep the hashes their creates gave them.
-            for epoch in {b.seq.epoch for j in jobs for b in j.branches if b.seq is not None and b.seq.pool == pool}:
-                self._taint(pool, epoch, set(self._unwritten.get(pool, ())))
+            # Their hashes are dropped before the sequences are freed (the allocator drops
+            # only the hashes of blocks its lease's live sequences hold).
+            unwritten = set(self._unwritten.get(pool, ()))
+            by_epoch: dict[int, list[tuple[str, int]]] = {}
+            for j in jobs:
+                for b in j.branches:
+                    if b.seq is None or b.seq.pool != pool:
+                        continue
+                    first = next((i for i, blk in enumerate(b.seq.block_table) if blk in unwritten), None)
+                    if first is not None:
+                        by_epoch.setdefault(b.seq.epoch, []).append((b.seq.id, first))
+            for epoch, seqs in by_epoch.items():
+                self._tainted.setdefault((pool, epoch), set()).update(unwritten)
+                self._settle(pool, epoch, [], (), (), seqs)
         log.warning("the worker of pool %s failed a step (%s: %s): %d request(s) recomputed elsewhere",
                     pool, type(exc).__name__, exc, len(jobs))
         self.report.worker_failures += 1

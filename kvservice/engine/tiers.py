@@ -63,28 +63,26 @@ class TierPath:
                 # fill are recomputed by their readers)
                 log.warning("pool %s: %d lower-tier orders not run (%s: %s)", pool, len(group),
                             type(exc).__name__, exc)
-                self._taint(pool, epoch, {o.dst for o in group if not o.dst_tier})
+                self._taint(pool, epoch, [o for o in group if not o.dst_tier])
                 continue
-            settled, failed = [], set()
+            settled, failed = [], []
             for o, res in zip(group, response.results):
                 if o.dst_tier:
                     r.offloaded_blocks += res.ok
-                    settled.append(pb.TierSettlement(tier=o.dst_tier, entry=o.dst, block_hash=o.block_hash,
-                                                     ok=res.ok))
+                    settled.append(pb.TierSettlement(order=o, ok=res.ok))
                 elif res.ok:
                     r.loaded_blocks += 1
                 else:
                     r.load_failures += 1
-                    failed.add(o.dst)
-                    settled.append(pb.TierSettlement(tier=o.src_tier, entry=o.src, block_hash=o.block_hash,
-                                                     ok=False))
+                    failed.append(o)
+                    settled.append(pb.TierSettlement(order=o, ok=False))
                     log.warning("pool %s: load of %s entry %d into block %d failed (%s): recomputed", pool,
                                 "host" if o.src_tier == 1 else "disk", o.src, o.dst, res.error)
             # (recomputed by their readers: _recompute_tainted, right after; their hashes
             # forgotten in the call that drops the entries they failed to load)
             self._taint(pool, epoch, failed, forget=False)
             if settled:
-                self._executor.submit(self._settle, pool, epoch, settled, (), sorted(failed))
+                self._executor.submit(self._settle, pool, epoch, settled, (), failed)
 
     def _run_fetches(self, groups: dict[tuple[str, int, str, int], list[pb.TierOrder]]) -> None:
         """Fetches (DESIGN §13): each destination pool's worker pulls its blocks from the
@@ -99,14 +97,14 @@ class TierPath:
             return o.src >= 0 and (o.src_tier or (o.src not in self._unwritten.get(source, ()) and
                                                   o.src not in self._tainted.get((source, source_epoch), ())))
         runnable = {key: [o for o in group if readable(key, o)] for key, group in groups.items()}
-        unreadable = {key: {o.dst for o in group} - {o.dst for o in runnable[key]} for key, group in groups.items()}
+        unreadable = {key: [o for o in group if not readable(key, o)] for key, group in groups.items()}
         calls = {key: self._executor.submit(self._fetch_call, key, group)
                  for key, group in runnable.items() if group}
         r = self.report
         release: dict[tuple[str, int], set[str]] = {}
         for key, group in groups.items():
             pool, epoch, source, source_epoch = key
-            failed = set(unreadable[key])
+            failed = list(unreadable[key])
             response = None
             if key in calls:
                 try:
@@ -119,10 +117,10 @@ class TierPath:
                                 source, type(exc).__name__, exc)
                     response = None
                     r.fetch_failures += len(runnable[key])
-                    self._taint(pool, epoch, {o.dst for o in runnable[key]})
+                    self._taint(pool, epoch, runnable[key])
                 if response is not None:
                     errors_seen = [res.error for res in response.results if not res.ok]
-                    failed.update(o.dst for o, res in zip(runnable[key], response.results) if not res.ok)
+                    failed.extend(o for o, res in zip(runnable[key], response.results) if not res.ok)
                     if errors_seen:
                         log.warning("pool %s: %d of %d blocks fetched from pool %s failed (first: %s): recomputed",
                                     pool, len(errors_seen), len(runnable[key]), source, errors_seen[0])
@@ -144,7 +142,7 @@ class TierPath:
             epoch=epoch, lease_id=self.client.lease_id, generation=self.client.generation(pool),
             source_pool_id=source, source_epoch=source_epoch,
             fetches=[wpb.BlockFetch(src_tier=o.src_tier, src=o.src, block_hash=o.block_hash, dst=o.dst,
-                                     order_mac=o.order_mac, pull_serial=o.pull_serial)
+                                     order_mac=o.order_mac, pull_serial=o.serial)
                      for o in group])
         return self._call(stub.FetchBlocks, request, pool, epoch)
 
@@ -166,28 +164,30 @@ class TierPath:
         request = wpb.MoveBlocksRequest(
             epoch=epoch, lease_id=self.client.lease_id, generation=self.client.generation(pool),
             moves=[wpb.BlockMove(src_tier=o.src_tier, src=o.src, dst_tier=o.dst_tier, dst=o.dst,
-                                 block_hash=o.block_hash) for o in group])
+                                 block_hash=o.block_hash, order_mac=o.order_mac, serial=o.serial) for o in group])
         return self._call(stub.MoveBlocks, request, pool, epoch)
 
-    def _taint(self, pool: str, epoch: int, blocks: set[int], forget: bool = True) -> None:
-        """Blocks of ``pool`` whose content is not what their hash says (a load or fetch
-        that failed, a prompt that a failed step never wrote): this engine's readers of
-        them recompute them (``_recompute_tainted``), and the allocator forgets their
-        hashes (in the background; ``forget`` False: the caller has them forgotten), so
+    def _taint(self, pool: str, epoch: int, orders: list[pb.TierOrder], forget: bool = True) -> None:
+        """The device blocks that ``orders`` (loads or fetches into ``pool``) did not fill:
+        their content is not what their hash says. This engine's readers of them recompute
+        them (``_recompute_tainted``), and the allocator forgets their hashes (in the
+        background, on those orders; ``forget`` False: the caller has them forgotten), so
         that no other create, copy down or fetch reads them."""
-        if blocks:
-            self._tainted.setdefault((pool, epoch), set()).update(blocks)
+        if orders:
+            self._tainted.setdefault((pool, epoch), set()).update(o.dst for o in orders)
             if forget:
-                self._executor.submit(self._settle, pool, epoch, [], (), sorted(blocks))
+                self._executor.submit(self._settle, pool, epoch, [], (), list(orders))
 
     def _settle(self, pool: str, epoch: int, settled: list[pb.TierSettlement], release_pins: list[str] = (),
-                forget: list[int] = ()) -> None:
+                forget: list[pb.TierOrder] = (), unwritten: list[tuple[str, int]] = ()) -> None:
         """Passes the worker's word on to the allocator, releases the read pins of the
-        fetches that ran, and has the hashes of ``forget`` dropped (a failure only delays
-        an entry's use: unconfirmed, it is taken back after a minute; a pin is released at
-        its deadline; a block not forgotten stays known to this engine as tainted)."""
+        fetches that ran, and has the hashes of the blocks that the orders of ``forget``
+        did not fill dropped, and those of the blocks of ``unwritten`` (sequence id, first
+        block a failed forward did not write) (a failure only delays an entry's use:
+        unconfirmed, it is taken back after a minute; a pin is released at its deadline; a
+        block not forgotten stays known to this engine as tainted)."""
         try:
-            self.client.settle_tiers(pool, epoch, settled, list(release_pins), list(forget))
+            self.client.settle_tiers(pool, epoch, settled, list(release_pins), list(forget), list(unwritten))
         except errors.KvsError as exc:
             log.warning("pool %s: %d lower-tier entries not settled, %d pins not released, %d hashes not dropped "
                         "(%s: %s)", pool, len(settled), len(release_pins), len(forget), type(exc).__name__, exc)

@@ -126,7 +126,7 @@ def _rounds(args: argparse.Namespace, shared_memory_dir: str) -> tuple[int, floa
             epoch=dst_pool.epoch, lease_id=client.lease_id, generation=client.generation("worker-1"),
             source_pool_id="worker-0", source_epoch=src_pool.epoch, chunk_bytes=args.chunk_kib << 10,
             fetches=[wpb.BlockFetch(src_tier=o.src_tier, src=o.src, dst=o.dst, block_hash=o.block_hash,
-                                    order_mac=o.order_mac, pull_serial=o.pull_serial) for o in orders],
+                                    order_mac=o.order_mac, pull_serial=o.serial) for o in orders],
             grants=client.take_grants("worker-1", dst_pool.epoch))
         stubs["worker-1"].FetchBlocks(request, timeout=120)         # (a warm-up round: channels, allocations)
         progress(f"{args.rounds} rounds of {blocks} blocks ({blocks * per_block / 2**20:.1f} MiB), each a fetch "
