@@ -123,9 +123,13 @@ def build_pool(settings: WorkerSettings, model: Any = None) -> KVPool:
 
 #: Who may call the Worker service: engines and store clients (tenants) and admins; other
 #: workers pull blocks (PullBlocks), and only they.
-ROLES = {**{f"/{SERVICE_NAME}/{method}": frozenset(("tenant", "admin"))
-            for method in ("Describe", "WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward", "MoveBlocks",
-                           "FetchBlocks", "WriteBlocks", "ReadBlocks")},
+# Who may call which method. The methods that read or write K/V are a tenant's (an engine,
+# a store client: each call proves what its lease may touch with the allocator's grants);
+# an admin is for operations, not for bytes (Describe only); a worker only pulls.
+ROLES = {**{f"/{SERVICE_NAME}/{method}": frozenset(("tenant",))
+            for method in ("WriteKV", "ReadKV", "Attention", "CopyBlocks", "Forward", "MoveBlocks", "FetchBlocks",
+                           "WriteBlocks", "ReadBlocks")},
+         f"/{SERVICE_NAME}/Describe": frozenset(("tenant", "admin")),
          f"/{SERVICE_NAME}/PullBlocks": frozenset(("worker",))}
 
 
