@@ -9,6 +9,7 @@ K/V is unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import urllib.request
 
 import grpc
@@ -216,6 +217,123 @@ def test_a_block_given_to_another_tenant_is_zeroed_before_it_reads_it(stack):
             pytest.fail("no block of A's went to B")
         for s in taken:
             s.free()
+    finally:
+        a.close()
+        b.close()
+
+
+def _byte_calls(t: Tenant, blocks: list[int], lease: str, grants: list, generation: int) -> dict:
+    """Each worker method that reads or writes K/V, as ``t`` would call it on ``blocks`` of
+    worker-0 with ``lease``, ``grants`` and ``generation`` (a call each)."""
+    w0, epoch = t.stubs["worker-0"], t.epochs["worker-0"]
+    g = torch.Generator().manual_seed(11)
+    kv = [tensors.encode(torch.randn(BS, HEADS, DIM, generator=g)) for _ in range(2)]
+    q = tensors.encode(torch.randn(1, 4, DIM, generator=g))
+    fence = dict(epoch=epoch, lease_id=lease, grants=grants)
+    return {
+        "WriteKV": lambda: w0.WriteKV(pb.WriteKVRequest(layer=0, slot_mapping=_slots(blocks[:1]), key=kv[0],
+                                                        value=kv[1], generation=generation, **fence), timeout=10),
+        "ReadKV": lambda: w0.ReadKV(pb.ReadKVRequest(layer=0, slots=_slots(blocks[:1]), **fence), timeout=10),
+        "Attention": lambda: w0.Attention(pb.AttentionRequest(
+            layer=0, query=q, block_tables=[pb.BlockTable(block_ids=blocks)], context_lens=[len(blocks) * BS],
+            query_lens=[1], **fence), timeout=10),
+        "CopyBlocks": lambda: w0.CopyBlocks(pb.CopyBlocksRequest(
+            pairs=[pb.BlockCopy(src=blocks[1], dst=blocks[0])], generation=generation, **fence), timeout=10),
+        "Forward": lambda: w0.Forward(pb.ForwardRequest(generation=generation, sequences=[pb.ForwardSequence(
+            token_ids=[1], start_position=len(blocks) * BS - 1, block_table=blocks,
+            slot_mapping=[blocks[-1] * BS + BS - 1])], **fence), timeout=30),
+        "MoveBlocks": lambda: w0.MoveBlocks(pb.MoveBlocksRequest(generation=generation, moves=[
+            pb.BlockMove(src_tier=1, src=0, dst_tier=0, dst=blocks[0], block_hash=b"h" * 16)], **fence), timeout=10),
+        "FetchBlocks": lambda: w0.FetchBlocks(pb.FetchBlocksRequest(
+            generation=generation, source_pool_id="worker-1", source_epoch=t.epochs["worker-1"],
+            fetches=[pb.BlockFetch(src=0, dst=blocks[0])], **fence), timeout=10),
+        "WriteBlocks": lambda: w0.WriteBlocks(iter([pb.WriteBlocksRequest(
+            generation=generation, block_ids=blocks[:1], **fence)]), timeout=10),
+        "ReadBlocks": lambda: list(w0.ReadBlocks(pb.ReadBlocksRequest(block_ids=blocks[:1], **fence), timeout=10)),
+    }
+
+
+def test_every_rpc_refuses_a_made_up_lease_forged_stolen_foreign_replayed_grants_and_an_expired_lease(stack):
+    """Each worker method that reads or writes K/V, called by tenant B on tenant A's blocks:
+    with a made-up lease, a forged grant (B's own, rewritten to name A's blocks), A's own
+    grant with A's lease (stolen), a grant of another pool, one of another epoch, B's grant of
+    a block that was B's and is A's now (replayed), and on blocks of B's own lease once that
+    lease has expired. Each call is refused, with a status that says so, and no byte of A's
+    blocks changes. (A move names no order of the allocator here: MoveBlocks refuses it for
+    that before it looks at any grant; tests/test_rights.py has forged, altered and replayed
+    orders.)"""
+    a, b = Tenant(stack, "engine"), Tenant(stack, "api")
+    gone = Tenant(stack, "api")
+    try:
+        sa = a.client.create(list(range(4000, 4000 + 2 * BS)), pool="worker-0")
+        a.write("worker-0", _slots(sa.block_table), seed=21)
+        ab = list(sa.block_table)
+        # B's block, written and freed (a partial block: not cached), until A's next create gets it.
+        for i in range(64):
+            sb = b.client.create(list(range(6000 + 20 * i, 6000 + 20 * i + BS - 1)), pool="worker-0")
+            old = b.grants("worker-0")
+            b.write("worker-0", _slots(sb.block_table)[:BS - 1], seed=22, grants=old)
+            sb.free()
+            mine = a.client.create(list(range(7000 + 20 * i, 7000 + 20 * i + BS - 1)), pool="worker-0")
+            if mine.block_table[0] == sb.block_table[0]:
+                a.write("worker-0", _slots(mine.block_table)[:BS - 1], seed=23)    # (A's newer grant: seen)
+                break
+            mine.free()
+        else:
+            pytest.fail("no block of B's went to A")
+        replayed = list(mine.block_table) + ab[:1]
+        stolen = a.grants("worker-0")
+        assert stolen == []                       # (A sent its grants with its writes: take them again)
+        a2 = a.client.create(list(range(8000, 8000 + BS - 1)), pool="worker-0")
+        stolen = a.grants("worker-0")
+        assert stolen
+        sb1 = b.client.create(list(range(8500, 8500 + 2 * BS)), pool="worker-1")
+        other_pool = b.grants("worker-1")
+        own = b.client.create(list(range(9500, 9500 + 2 * BS)), pool="worker-0")
+        mine_g = b.grants("worker-0")
+        forged = [dataclasses.replace(Grant.from_pb(mine_g[0]), write=pack_blocks(ab), read=pack_blocks(ab)).to_pb(apb)]
+        stale_epoch = [dataclasses.replace(Grant.from_pb(mine_g[0]), epoch=b.epochs["worker-0"] - 1).to_pb(apb)]
+        # A lease of B's that expires (revoked) after it wrote its blocks.
+        sg = gone.client.create(list(range(9900, 9900 + 2 * BS)), pool="worker-0")
+        gone_grants = gone.grants("worker-0")
+        gone.write("worker-0", _slots(sg.block_table), seed=24, grants=gone_grants)
+        gone_lease, gone_blocks = gone.lease, list(sg.block_table)
+        gone.client.close(revoke=True)
+        before = a.read("worker-0", _slots(ab)) + a.read("worker-0", _slots(mine.block_table))
+        cases = {
+            "a made-up lease": (ab, "made-up-lease", []),
+            "a forged grant": (ab, b.lease, forged),
+            "a stolen grant": (list(a2.block_table) + ab[:1], a.lease, stolen),
+            "a grant of another pool": (ab, b.lease, other_pool),
+            "a grant of another epoch": (ab, b.lease, stale_epoch),
+            "a replayed grant": (replayed, b.lease, old),
+            "an expired lease": (gone_blocks, gone_lease, gone_grants),
+        }
+        deadline = time.monotonic() + 30        # (the worker hears of the revoked lease at its next heartbeat)
+        while True:
+            try:
+                b.stubs["worker-0"].ReadKV(pb.ReadKVRequest(epoch=b.epochs["worker-0"], layer=0,
+                                                            slots=_slots(gone_blocks[:1]), lease_id=gone_lease),
+                                           timeout=10)
+            except grpc.RpcError:
+                break
+            assert time.monotonic() < deadline, "the worker still serves a revoked lease's blocks"
+            time.sleep(0.2)
+        gen = b.client.generation("worker-0")
+        assert gen
+        refused = 0
+        for case, (blocks, lease, grants) in cases.items():
+            for rpc, call in _byte_calls(b, blocks, lease, list(grants), gen).items():
+                details = _refused(call, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION)
+                assert details and (a.lease not in details or case == "a stolen grant"), (case, rpc, details)
+                refused += 1
+        print(f"{refused} calls refused ({len(cases)} cases x 9 methods)")
+        assert refused == len(cases) * 9
+        assert a.read("worker-0", _slots(ab)) + a.read("worker-0", _slots(mine.block_table)) == before
+        assert stack.audit().ok
+        for s_ in (sa, mine, a2, own):
+            s_.free()
+        sb1.free()
     finally:
         a.close()
         b.close()
