@@ -76,6 +76,9 @@ class Up:
         # The stack's throwaway credentials: its admin may grant a lease for any tenant it names.
         creds = re.search(r"TLS \+ auth credentials in (\S+):", text).group(1)
         self.admin = ClientCredentials(ca=f"{creds}/ca.pem", cert=f"{creds}/admin.pem", key=f"{creds}/admin-key.pem")
+        # (an engine reads and writes K/V: a tenant's credentials; an admin's are for operations)
+        self.engine = ClientCredentials(ca=f"{creds}/ca.pem", cert=f"{creds}/engine.pem",
+                                        key=f"{creds}/engine-key.pem")
 
     def stop(self) -> None:
         terminate(self.proc, 30)
@@ -229,7 +232,7 @@ def test_engine_run_moves_worker_and_pool_counters_consistently(up):
     system = list(range(10, 42))                               # 32 tokens: two full blocks, shared
     requests = [Request(system + [100 + i, 200 + i, 300 + i], max_new_tokens=5, n=1 + (i % 2), seed=i)
                 for i in range(6)]
-    with Engine(up.target, credentials=up.admin, tenant="metrics-engine") as engine:
+    with Engine(up.target, credentials=up.engine) as engine:
         report = engine.run(requests)
     after = {name: scrape(u) for name, u in urls.items()}
     assert report.failed == 0 and report.preemptions == 0 and report.requests == 6
