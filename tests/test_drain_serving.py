@@ -24,7 +24,7 @@ MODEL = "smollm2-135m"
 QUESTIONS = [f"In one sentence: what is {thing}?" for thing in
              ("a library card", "a bicycle chain", "a tide", "a glacier", "a violin bow", "a lighthouse",
               "a compass", "a kiln", "a sundial", "a loom", "a windmill", "a canal lock")]
-STEPS = 32
+STEPS = 16
 
 
 def _ask(api, question: str) -> str:
