@@ -31,12 +31,12 @@ proto: $(STAMP)
 $(GEN): $(PROTOS) $(STAMP)
 	$(MAKE) --no-print-directory proto
 
-# The suite runs in parallel, one process per core and two more (pytest-xdist; the tests
+# The suite runs in parallel, one process per core and one more (pytest-xdist; the tests
 # wait on servers, processes and clocks part of the time; PYTEST_WORKERS=0 runs it in this
 # process), the tests that share a module's servers in one process (--dist loadgroup, groups
 # made by tests/scheduling.py, which also puts the tests that start processes first), in a
 # random order (pytest-randomly prints its seed).
-PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(len(os.sched_getaffinity(0)) + 2)')
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(len(os.sched_getaffinity(0)) + 1)')
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: install

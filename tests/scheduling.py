@@ -31,26 +31,11 @@ def pytest_configure(config):
     config.pluginmanager.register(E2EFirst(), "kvservice-e2e-first")
 
 
-#: The modules whose tests take longest (from ~35 s to ~100 s of wall time each in `make
-#: test` on 2 cores, `--durations`), longest first: handed out before every other test.
-LONGEST = ("test_drain_serving.py", "test_state_machine_local.py", "test_limits.py", "test_bench_tiers.py",
-           "test_study.py", "test_engine_fetch.py", "test_kernels_compile.py", "test_engine_tiers.py",
-           "test_faults.py", "test_state_machine.py", "test_bench_serving.py", "test_service.py", "test_api.py",
-           "test_engine.py", "test_bench_transfer.py")
-
-
-def _rank(item) -> tuple[int, int]:
-    name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
-    first = LONGEST.index(name) if name in LONGEST else len(LONGEST)
-    return first, item.get_closest_marker("e2e") is None
-
-
 class E2EFirst:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items):
-        """The longest modules' tests go first (``LONGEST``, longest first), then the other
-        tests that start real processes (marker ``e2e``), then the rest, each part in the
-        order collection gave it (random under pytest-randomly): under pytest-xdist the
-        processes take the long tests first and the short ones fill the end, so that none
-        starts a long test when the others are done."""
-        items.sort(key=_rank)
+        """The tests that start real processes (marker ``e2e``) go first, the others after
+        them, each part in the order collection gave it (random under pytest-randomly):
+        under pytest-xdist the processes take the long tests first and the short ones fill
+        the end, so that none starts a long test when the others are done."""
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
