@@ -41,7 +41,9 @@ RESTART_AFTER = 1.0
 #: Every this many kills, both replicas are down at once for a moment.
 TOTAL_OUTAGE_EVERY = 4
 NUM_CLIENTS = 5
-LEASE_TTL = 6.0
+#: (a replica restarted under a loaded machine serves again after up to ~5 s; one client's
+#: keep-alives may meet two such restarts in a row)
+LEASE_TTL = 10.0
 RETRY_BUDGET = 5.0
 NUM_BLOCKS = 8192
 BS = 4

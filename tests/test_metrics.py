@@ -162,6 +162,9 @@ def test_allocator_counters_move_by_what_the_workload_implies(up):
     try:
         m1 = scrape(url)
         assert value(m1, "kvservice_leases_granted_total") - value(m0, "kvservice_leases_granted_total") == 1
+        # (the module's other tests, in any order, may have left cached blocks: what the
+        # free list cannot give is evicted)
+        free = c.pool_stats(pool).num_free_blocks
         rpcs = c.rpc_count
         prompt = list(range(5000, 5040))                     # 40 tokens: 2 full blocks + 8
         a = c.create(prompt, pool=pool)                      # 3 fresh blocks
@@ -178,7 +181,7 @@ def test_allocator_counters_move_by_what_the_workload_implies(up):
     expected = {"pool_sequences_created_total": 3, "pool_sequences_freed_total": 3,
                 "pool_allocated_blocks_total": 3 + 1 + 1, "pool_cow_copies_total": 1,
                 "pool_prefix_queried_tokens_total": 80, "pool_prefix_hit_tokens_total": 32,
-                "pool_allocation_failures_total": 1, "pool_evictions_total": 0}
+                "pool_allocation_failures_total": 1, "pool_evictions_total": max(0, 5 - free)}
     assert {k: _delta(m1, m2, k, pool) for k in expected} == expected
     for k in expected:
         assert _delta(m1, m2, k, "worker-0") == 0, k
