@@ -78,6 +78,12 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
             every sequence of this client.
         timeout: per-RPC deadline in seconds.
         keepalive: run the keep-alive thread (every ``lease_ttl / 3`` seconds).
+        commit_after_write: announce a block's hash only once its KV is written: the
+            creates' new blocks and every block that fills later are committed once the
+            caller declares them written (``Sequence.mark_written``), so that no other
+            create, fetch, tier copy or KV event sees a hash whose block holds no KV yet.
+            For engines that write KV through workers; off, every full block is committed
+            with the step that fills it (an allocator-only user).
         retry_budget: seconds a call keeps being resent while no replica answers it (the
             retry policy's backoffs add up to this) or its deadline runs out (a replica or a
             Redis that hangs): more than a replica's restart or a Redis stall.
@@ -86,8 +92,9 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
     def __init__(self, target: str | list[str], *, tenant: str = "", lease_ttl: float = 10.0,
                  timeout: float = 10.0, keepalive: bool = True, local: bool = False,
                  flush_interval: float = 0.005, retry_budget: float = 5.0, token: str | None = None,
-                 credentials: ClientCredentials | None = None) -> None:
+                 credentials: ClientCredentials | None = None, commit_after_write: bool = False) -> None:
         self.target = target
+        self.commit_after_write = commit_after_write
         self.timeout = timeout
         self.retry_budget = retry_budget
         creds = credentials or ClientCredentials.from_env()
@@ -280,14 +287,15 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
             if not ((forks and s in forks) or (free_set and s in free_set)
                     or (added and (n + added > len(s._table) * s.block_size
                                    or (not s._private and n % s.block_size != 0)))):
-                if n // s.block_size > s._committed:
+                if (n if n < s._written else s._written) // s.block_size > s._committed:
                     riders.append(s)
                 else:
                     local.append((s, tokens))
                 continue
             order.append(s)
         result = StepResult()
-        if not order and not creates:
+        if not order and not creates and not (riders and self.commit_after_write):
+            # (written blocks to commit make the call: their hashes are announced now)
             if self._doubts:
                 self._settle_doubts()
                 for s in appends:
@@ -306,7 +314,8 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
                 fork_grow_to=[s._num_tokens + len(t) for t in forks.get(s, ())],
                 grow_to=s._num_tokens + added if added else 0)
         for tokens, pool, extra in creates:
-            request.creates.add(token_ids=tokens, pool_id=pool, extra_key=extra)
+            request.creates.add(token_ids=tokens, pool_id=pool, extra_key=extra,
+                                defer_commits=self.commit_after_write)
         request.tier_loads = bool(creates) and self.collect_tier_orders
         request.fetches = request.tier_loads and self.collect_fetches
         # Sequences with blocks to commit ride along for free.
@@ -388,7 +397,7 @@ class Client(StepBatches, LocalSteps, Doubts, Resyncs):
                 bs = s.block_size
                 tail = s._tail[: s._num_tokens - s._committed * bs] + list(tokens)
                 child = Sequence(self, child_state, tail, private=bool(tokens))
-                child.num_cached_tokens = s.num_cached_tokens
+                child.num_cached_tokens, child._written = s.num_cached_tokens, s._written
                 if remote:
                     child._hashes = None if s._hashes is None else s._hashes[:child._committed]
                     self._live.add(child)

@@ -49,6 +49,8 @@ class LocalSteps:
         if creates:
             if appends or forks or frees:
                 self._check_local(appends, forks, frees)     # bad input: refused before any create
+            if self.commit_after_write:
+                self._log_written()        # (so that the creates' lookup sees the blocks written since)
             created = self._create_local(creates)
         # The decode step's common case first: tokens that stay inside a private partial
         # block change the sequence alone (as in an in-process block manager); the rest
@@ -368,7 +370,7 @@ class LocalSteps:
         table.extend(blocks)
         s._tail.extend(tokens)
         s._num_tokens = t1
-        if blocks or t1 // bs > s._committed:
+        if blocks or (t1 if t1 < s._written else s._written) // bs > s._committed:
             self._log_grow(pj, s, blocks)
         # (else: the allocator learns this length with the sequence's next entry, or at a flush)
         s._room = _room(s)
@@ -378,9 +380,10 @@ class LocalSteps:
         """One GROW entry at the sequence's length: the blocks it added and the full
         blocks not committed yet (with their hashes). A block that fills on the fast
         path is committed here, with the sequence's next entry (its next block, a fork,
-        a free or a flush): one entry per block in decode, not two."""
+        a free or a flush): one entry per block in decode, not two. (A client that tracks
+        writes commits the written ones: ``Sequence.mark_written``.)"""
         t1, bs = s._num_tokens, s.block_size
-        k = t1 // bs - s._committed
+        k = s._full_blocks() - s._committed
         if k > 0:
             parent = last = s._last_hash
             data = s._tail[:k * bs]
@@ -389,20 +392,21 @@ class LocalSteps:
                 last = hash_of[table[at]] = hashing.block_hash(last, data[i:i + bs])
                 at += 1
             pj.log(GROW, s.number, t1, blocks, commit_tokens=data, num_commits=k, parent_hash=parent)
-            s._apply_commits(t1 // bs, last)
+            s._apply_commits(s._committed + k, last)
         else:
             pj.log(GROW, s.number, t1, blocks)
         s._logged = t1
 
     def _fork_local(self, s: "Sequence") -> "Sequence":
         pj = self._journals[s.pool]
-        if s._num_tokens // s.block_size > s._committed:
+        if s._full_blocks() > s._committed:
             self._log_grow(pj, s)        # (its full blocks committed before they are shared)
         n = pj.numbers.popleft()
         state = pb.Sequence(sequence_id=hashing.sequence_id(s.pool, s.epoch, n, self.lease_id), pool_id=s.pool,
                             epoch=s.epoch, block_table=s._table, num_tokens=s._num_tokens, num_cached_tokens=s.num_cached_tokens,
                             num_committed_blocks=s._committed, last_hash=s._last_hash, block_size=s.block_size)
         child = Sequence(self, state, list(s._tail), private=False)
+        child._written = s._written
         pj.hold(s._table)
         pj.log(FORK, s.number, s._num_tokens, child=n)
         s._logged = child._logged = s._num_tokens
@@ -412,13 +416,21 @@ class LocalSteps:
 
     def _free_local(self, s: "Sequence") -> None:
         pj = self._journals[s.pool]
-        if s._num_tokens // s.block_size > s._committed:
+        if s._full_blocks() > s._committed:
             self._log_grow(pj, s)        # (its full blocks committed: they stay cached)
         pj.log(FREE, s.number, s._num_tokens)
         pj.release(s._table, s._num_tokens)
         s.freed = True
         s._room = 0
         self._live.discard(s)
+
+    def _log_written(self) -> None:
+        """Journals the commits of the blocks declared written since their sequence's last
+        entry (``Sequence.mark_written``); a create that follows carries them."""
+        with self._lock:
+            for s in self._live:
+                if s._full_blocks() > s._committed:
+                    self._log_grow(self._journals[s.pool], s)
 
     def flush(self) -> None:
         """A barrier: returns once the allocator has applied every local change made so
@@ -427,10 +439,15 @@ class LocalSteps:
         if self._doubts:
             self._settle_doubts()
         if not self.local:
+            # (written blocks not committed yet are committed now: ``mark_written``)
+            pending = [s for s in self._live if s._full_blocks() > s._committed] if self.commit_after_write else []
+            if pending:
+                self.step({s: [] for s in pending})
             return
         with self._lock:
             for s in self._live:
-                if s._num_tokens != s._logged:      # lengths (and full blocks) no entry has said yet
+                # lengths and full (written) blocks no entry has said yet
+                if s._num_tokens != s._logged or s._full_blocks() > s._committed:
                     self._log_grow(self._journals[s.pool], s)
         for _ in range(100):
             self._sync_once()

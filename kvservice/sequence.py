@@ -5,6 +5,7 @@ returns (``StepResult``, its copy-on-write pairs).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
@@ -14,6 +15,10 @@ from kvservice.v1 import allocator_pb2 as pb
 
 if TYPE_CHECKING:
     from kvservice.client import Client
+
+
+#: ``Sequence._written`` of a client that does not track writes: every token counts as written.
+UNTRACKED = sys.maxsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,7 @@ class Sequence:
 
     __slots__ = ("client", "id", "number", "pool", "epoch", "block_size", "num_cached_tokens", "_table",
                  "_num_tokens", "_committed", "_last_hash", "_tail", "_private", "_room", "_logged",
-                 "_prompt_hashes", "_hashes", "lost", "freed", "__weakref__")
+                 "_prompt_hashes", "_hashes", "_written", "lost", "freed", "__weakref__")
 
     def __init__(self, client: "Client", state: pb.Sequence, tail: list[int], private: bool) -> None:
         self.client = client
@@ -78,6 +83,10 @@ class Sequence:
         #: (remote mode) the hash of each committed block, to resynchronise (local mode keeps
         #: them per pool: ``PoolJournal.hash_of``); None in local mode.
         self._hashes: list[bytes] | None = None
+        #: Tokens whose KV is written (``mark_written``): a block is committed (its hash
+        #: announced) once it is full and written. A client made without
+        #: ``commit_after_write`` commits every full block: ``UNTRACKED``.
+        self._written = state.num_cached_tokens if client.commit_after_write else UNTRACKED
         #: Lost in a resync (the allocator lost writes and could not keep it): see
         #: ``Client.lost_sequences``.
         self.lost = False
@@ -104,6 +113,21 @@ class Sequence:
             raise ValueError(f"positions {start}..{end} outside 0..{self.capacity} of sequence {self.id}")
         bs, table = self.block_size, self._table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def mark_written(self, num_tokens: int) -> None:
+        """(a client made with ``commit_after_write``) The KV of the sequence's first
+        ``num_tokens`` tokens is written on its worker: the full blocks among them are
+        committed (their hashes announced to other creates, fetches, tier copies and KV
+        events) with the next change that reaches the allocator. Until then they are the
+        sequence's alone, and a sequence freed first leaves them unhashed."""
+        if num_tokens > self._written:
+            self._written = num_tokens
+
+    @property
+    def num_written_tokens(self) -> int:
+        """Tokens whose KV is written (``mark_written``); every token when the client
+        does not track writes."""
+        return min(self._written, self._num_tokens)
 
     def append(self, token_ids: Iterable[int]) -> StepResult:
         """Appends tokens; calls the allocator only when ownership changes."""
@@ -135,20 +159,26 @@ class Sequence:
 
     # -- step planning (used by Client.step)
 
+    def _full_blocks(self) -> int:
+        """The blocks that may be committed: full (and, tracked, written)."""
+        n = self._num_tokens
+        return (n if n < self._written else self._written) // self.block_size
+
     def _pending_commits(self) -> list[pb.BlockCommit]:
         bs = self.block_size
-        full = self._num_tokens // bs - self._committed
+        full = self._full_blocks() - self._committed
         return [pb.BlockCommit(index=self._committed + i, token_ids=self._tail[i * bs:(i + 1) * bs])
                 for i in range(full)]
 
     def _commit_full_blocks(self) -> None:
-        """(remote mode, before a resync) Every full block counts as committed, under the
+        """(remote mode, before a resync) Every full block (written, when the client tracks
+        writes: no other block was ever sent as a commit) counts as committed, under the
         hash the allocator gives it (chained from the last committed one): the pool may
         have committed them in a step whose answer never came, and a resync keeps a hashed
         block only for a claim that names its hash. A chain this client does not know is
         left as it is."""
         bs = self.block_size
-        full = self._num_tokens // bs
+        full = self._full_blocks()
         if self._hashes is None or full <= self._committed:
             return
         h = self._last_hash

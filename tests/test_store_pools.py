@@ -85,14 +85,19 @@ def test_a_create_that_does_not_defer_commits_its_whole_prompt_in_a_store_pool_t
     assert _create(c, PROMPT).num_cached_tokens == 12
 
 
-def test_a_create_staged_in_bounded_calls_cannot_defer_its_commits(any_redis_url):
+def test_a_create_staged_in_bounded_calls_defers_its_commits_too(any_redis_url):
+    # (4 blocks, 2 a call: the create is a run of parts; deferred, no part registers a hash)
     settings = dataclasses.replace(TEST_SETTINGS, max_blocks_per_call=2)
     with ServerThread(any_redis_url, settings) as s, Client(s.target, tenant="t1") as c:
         c.register_pool("store", num_blocks=64, block_size=BS, role="store")
-        with pytest.raises(errors.InvalidArgument, match="staged in bounded calls .*defer_commits is not allowed"):
-            _create(c, PROMPT)
-        assert c.pool_stats("store").num_free_blocks == 64
-        assert _create(c, PROMPT, defer=False).num_committed_blocks == 3
+        writer = _create(c, PROMPT)
+        assert writer.num_committed_blocks == 0 and len(writer.block_table) == 4
+        early = _create(c, PROMPT, defer=False)
+        assert early.num_cached_tokens == 0 and early.num_committed_blocks == 3
+        assert set(early.block_table).isdisjoint(writer.block_table)
+        reused = _create(c, PROMPT)          # (the committed one's blocks; the writer's stay unhashed)
+        assert reused.num_cached_tokens == 12 and list(reused.block_table[:3]) == list(early.block_table[:3])
+        assert c.pool_stats("store").num_free_blocks == 64 - 4 - 4 - 1
         assert audit(any_redis_url, "store") == []
 
 

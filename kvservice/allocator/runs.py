@@ -89,7 +89,7 @@ class RunOps:
                 "lease_id": lease_id, "lease_left_ms": lease_left,
                 "tenant": tenant, "quota": self.quota(tenant), "request_id": run_id, "fingerprint": print_,
                 "request_ttl_ms": self._request_ttl_ms(), "budget": self.settings.max_blocks_per_call,
-                "sequence": 0, "hold": False,
+                "sequence": 0, "hold": False, "defer": False,
                 "num_tokens": 0, "root_hash": "", "expect": 0, "first": 1, "hashes": [], "parent": 0}
 
     async def _stage(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -147,10 +147,10 @@ class RunOps:
 
     async def _create_in_parts(self, pool_id: str, lease_id: str, tenant: str, lease_left: int, data: bytes,
                                root: bytes, hashes: list[bytes], run_id: str, print_: str,
-                               hold: bool) -> dict[str, Any]:
+                               hold: bool, defer: bool = False) -> dict[str, Any]:
         """A create as a run: admitted, staged part after part, its new blocks' hashes
-        registered, then (unless ``hold``) made a sequence. Returns the record (with its
-        ``block_table``)."""
+        registered (not with ``defer``: the client commits them once written), then
+        (unless ``hold``) made a sequence. Returns the record (with its ``block_table``)."""
         epoch, geo = await self.geometry(pool_id)
         bs = geo.block_size
         num_tokens = len(data) // 4
@@ -158,7 +158,7 @@ class RunOps:
         hs = [h.hex() for h in hashes]
         referenced = (await self._probe_prefix(pool_id, epoch, hs[:(num_tokens - 1) // bs])).referenced
         payload = self._run_base("create", pool_id, epoch, lease_id, tenant, lease_left, run_id, print_)
-        payload.update(num_tokens=num_tokens, root_hash=root.hex(), expect=total - referenced, hold=hold,
+        payload.update(num_tokens=num_tokens, root_hash=root.hex(), expect=total - referenced, hold=hold, defer=defer,
                        hashes=hs[:self.settings.max_blocks_per_call], all_hashes=hs)
 
         def next_first(reply: dict[str, Any]) -> int:
@@ -245,10 +245,6 @@ class RunOps:
         stage_forks = bool(fork_blocks)
         create_blocks = sum(-(-(len(data) // 4) // geo.block_size) for _, _, data in items["creates"])
         stage_creates = create_blocks > s.max_blocks_per_call
-        if stage_creates and any(c.defer_commits for _, c, _ in items["creates"]):
-            raise errors.InvalidArgument(f"creates of {create_blocks} blocks in pool {pool_id} are staged in bounded "
-                                         f"calls (more than max_blocks_per_call, {s.max_blocks_per_call}): "
-                                         f"defer_commits is not allowed there")
 
         # Growth the pool cannot hold is refused first, before anything is applied.
         await self._check_room(pool_id, epoch, sum(more for more, _ in grows.values()))
@@ -283,7 +279,7 @@ class RunOps:
                     items["hashes"].append(hs)
                     run_id, print_ = sub(f"c{j}")
                     rec = await self._create_in_parts(pool_id, lease_id, tenant, lease_left, data, root, hs, run_id,
-                                                      print_, hold=True)
+                                                      print_, hold=True, defer=c.defer_commits)
                     staged.append((rec["run"], run_id, print_))
                     created.append(rec)
 

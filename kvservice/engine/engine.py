@@ -97,8 +97,9 @@ class Engine(Scheduler, ForwardPath, TierPath):
         self.credentials = credentials or ClientCredentials.from_env()
         if not tenant and not (self.credentials.token or self.credentials.cert):
             tenant = "engine"
+        # (a block's hash is announced once the worker has written its KV: _forward)
         self.client = Client(allocator, tenant=tenant, lease_ttl=30.0, timeout=timeout, local=local,
-                             credentials=self.credentials)
+                             credentials=self.credentials, commit_after_write=True)
         self.client.collect_tier_orders = True     # (run by the workers: kvservice/engine/tiers.py)
         self.client.collect_fetches = fetch
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens

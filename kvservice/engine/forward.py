@@ -195,6 +195,8 @@ class ForwardPath:
             rows = _rows(response.logits, len(items)) if self.return_logits and items else [None] * len(items)
             extra = iter(response.extra_tokens)
             for (b, job, fs, kind), token, row in zip(items, response.next_tokens, rows):
+                # (the worker wrote these tokens' KV: their full blocks may be announced)
+                b.seq.mark_written(fs.start_position + len(fs.token_ids))
                 if kind == PREFILL:
                     r.prefill_tokens += len(fs.token_ids)
                     written = fs.block_table[fs.start_position // b.seq.block_size:]
@@ -214,23 +216,8 @@ class ForwardPath:
         them (a pool whose worker stopped heartbeating is placed last: docs/allocator.md).
         The other pools' results of the step are kept."""
         jobs = [j for j in self._running if any(b.seq is not None and b.seq.pool == pool for b in j.branches)]
-        if getattr(exc, "reason", "") != "EPOCH_CHANGED":
-            # The pool lives on (the worker may come back at the same epoch): the prompts
-            # this step did not write keep the hashes their creates gave them.
-            # Their hashes are dropped before the sequences are freed (the allocator drops
-            # only the hashes of blocks its lease's live sequences hold).
-            unwritten = set(self._unwritten.get(pool, ()))
-            by_epoch: dict[int, list[tuple[str, int]]] = {}
-            for j in jobs:
-                for b in j.branches:
-                    if b.seq is None or b.seq.pool != pool:
-                        continue
-                    first = next((i for i, blk in enumerate(b.seq.block_table) if blk in unwritten), None)
-                    if first is not None:
-                        by_epoch.setdefault(b.seq.epoch, []).append((b.seq.id, first))
-            for epoch, seqs in by_epoch.items():
-                self._tainted.setdefault((pool, epoch), set()).update(unwritten)
-                self._settle(pool, epoch, [], (), (), seqs)
+        # (the prompts this step did not write have no hash: their blocks are committed
+        # only once written, so freeing the sequences leaves nothing behind)
         log.warning("the worker of pool %s failed a step (%s: %s): %d request(s) recomputed elsewhere",
                     pool, type(exc).__name__, exc, len(jobs))
         self.report.worker_failures += 1

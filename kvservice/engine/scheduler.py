@@ -111,7 +111,11 @@ class Scheduler:
     def _plan_creates(self, appends: dict, forks: dict) -> list[tuple[_Job, _Branch, list[int]]]:
         """This step's creates, as (job, branch, prompt tokens): unplaced branches of running
         jobs, then waiting jobs in order, while the predicted free blocks, ``max_num_seqs``
-        and ``max_prefill_tokens`` allow. With nothing running, the first is always tried."""
+        and ``max_prefill_tokens`` allow. With nothing running, the first is always tried.
+        A prompt whose first block another prompt of this engine is being computed with (a
+        create of this step, or a prefill not written yet) waits one step: its blocks are
+        announced once written (docs/allocator.md), and the next step's create hits them
+        rather than computing them again."""
         creates: list[tuple[_Job, _Branch, list[int]]] = []
         if self._hold:
             return creates
@@ -135,12 +139,18 @@ class Scheduler:
         def split(job: _Job) -> bool:
             return job.req.n > 1 and not any(b.outputs for b in job.branches)
 
+        writing = {_first_block(x.context, x.seq.block_size) for j in self._running for x in j.branches
+                   if x.state == PREFILL and x.seq is not None}
+
         def take(job: _Job, b: _Branch) -> bool:
             nonlocal seqs, budget, idle
             width = job.req.n if split(job) else 1
-            job.forking = width > 1
             tokens = job.req.prompt + b.outputs
             pool = self._pool_of(job.req) or target
+            first = _first_block(tokens, self._block_size[pool])
+            if first is not None and first in writing:
+                return True                  # (next step, once the other one's KV is written)
+            job.forking = width > 1
             need = -(-len(tokens) // self._block_size[pool]) + width - 1
             if creates and self._solo or not idle and (need > avail[pool] or seqs + width > self.max_num_seqs
                              or (len(tokens) > budget and budget < self.max_prefill_tokens)):
@@ -150,6 +160,7 @@ class Scheduler:
             seqs += width
             budget -= len(tokens)
             creates.append((job, b, tokens))
+            writing.add(first)
             return True
 
         for job in self._running:
@@ -228,3 +239,8 @@ class Scheduler:
             r.peak_blocks = len(held)
             r.kv_utilization = round(sum(held.values()) / slots, 4)
         r.peak_unshared_blocks = max(r.peak_unshared_blocks, unshared)
+
+
+def _first_block(tokens: list[int], block_size: int) -> tuple[int, ...] | None:
+    """The first full block of a prompt that a create could hit (None: none can)."""
+    return tuple(tokens[:block_size]) if len(tokens) > block_size else None

@@ -179,15 +179,14 @@ class TierPath:
                 self._executor.submit(self._settle, pool, epoch, [], (), list(orders))
 
     def _settle(self, pool: str, epoch: int, settled: list[pb.TierSettlement], release_pins: list[str] = (),
-                forget: list[pb.TierOrder] = (), unwritten: list[tuple[str, int]] = ()) -> None:
+                forget: list[pb.TierOrder] = ()) -> None:
         """Passes the worker's word on to the allocator, releases the read pins of the
         fetches that ran, and has the hashes of the blocks that the orders of ``forget``
-        did not fill dropped, and those of the blocks of ``unwritten`` (sequence id, first
-        block a failed forward did not write) (a failure only delays an entry's use:
-        unconfirmed, it is taken back after a minute; a pin is released at its deadline; a
-        block not forgotten stays known to this engine as tainted)."""
+        did not fill dropped (a failure only delays an entry's use: unconfirmed, it is
+        taken back after a minute; a pin is released at its deadline; a block not
+        forgotten stays known to this engine as tainted)."""
         try:
-            self.client.settle_tiers(pool, epoch, settled, list(release_pins), list(forget), list(unwritten))
+            self.client.settle_tiers(pool, epoch, settled, list(release_pins), list(forget))
         except errors.KvsError as exc:
             log.warning("pool %s: %d lower-tier entries not settled, %d pins not released, %d hashes not dropped "
                         "(%s: %s)", pool, len(settled), len(release_pins), len(forget), type(exc).__name__, exc)

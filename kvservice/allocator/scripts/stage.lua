@@ -35,7 +35,8 @@
 ---   (blocks of work per part), sequence (the run's record; 0 on a create's first call),
 ---   hold; create, grow: num_tokens, root_hash (hex), expect (blocks to admit), first (the
 ---   index, from 1, of the block whose hash is hashes[1]), hashes = [hash hex of the
----   part's full blocks]; fork: parent}
+---   part's full blocks], defer (the new blocks get no hash: the client commits them once
+---   written); fork: parent}
 --- Returns msgpack {epoch, sequence, num_blocks (held so far), num_committed_blocks,
 ---   num_cached_tokens, blocks (the blocks this part added), done (a sequence now, or
 ---   gone for a free), ready (held and complete), last_hash, num_tokens}; or an error
@@ -297,8 +298,9 @@ if rec.nb < total then
   return reply(reply_of(rec, epoch, {blocks = blocks}))
 end
 
-if rec.c < full then
-  -- A part of hash registrations: the new full blocks join the prefix cache.
+if rec.c < full and not p.defer then
+  -- A part of hash registrations: the new full blocks join the prefix cache (deferred:
+  -- the client commits them once their KV is written).
   local from, upto = rec.c + 1, math.min(full, rec.c + p.budget)
   if p.first ~= from or #p.hashes < upto - from + 1 then return reply(reply_of(rec, epoch)) end
   local hs, fields = {}, {}

@@ -25,7 +25,8 @@
 ---     pinned for a fetch, DESIGN §13; the lookup goes on through those), migrate (optional:
 ---     a live sequence moved here, all of whose blocks another pool holds pinned: the
 ---     lookup covers every block, hashed or not, the last token's too), defer (the blocks
----     past the cached chain get no hash: the client commits them once written)}]
+---     past the chain cached on the device, loads and fetches included, get no hash: the
+---     client commits them once written)}]
 --- Returns msgpack {epoch, generation, updates = [{num_tokens, num_committed_blocks, last_hash,
 ---   new_blocks, cow = [src, dst] (when the last block was replaced), freed,
 ---   children = [record]}], created = [record], copies = [[src, dst]], tier_orders =
@@ -409,8 +410,14 @@ local function create_sequences(bs, known, stats)
     for i = 1, n do
       if dev[i] then hits[#hits + 1] = dev[i] end
     end
-    -- (deferred: only the cached chain is committed; the client commits the rest once written)
-    if c.defer then rec.c = math.min(n, #hs) end
+    -- (deferred: only the chain cached on the device is committed; the client commits the
+    -- rest, blocks loaded from a lower tier or fetched from another pool included, once
+    -- their KV is written)
+    if c.defer then
+      local d = 0
+      while d < n and d < #hs and dev[d + 1] do d = d + 1 end
+      rec.c = d
+    end
     if rec.c > 0 then rec.h = hs[rec.c] end
     load_refs(hits)
     local add = rec.add

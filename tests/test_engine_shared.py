@@ -1,0 +1,154 @@
+"""Many engines, one cache: two engines (two leases of one tenant, as two API replicas run)
+over one allocator and two workers get the same fresh prompt at the same moment. A
+block's hash is announced only once its KV is written, so the second engine either
+computes the prompt itself or hits blocks that hold their KV: every answer equals
+transformers' greedy generation, with and without a host tier (whose loads land in
+blocks that are announced once loaded). A writer SIGKILLed between its create and its
+write leaves no hash behind: the next engine computes the prompt. On a seeded preset
+(``chats.TINY``: the same paths as SmolLM2 at a fraction of the compute); run with ``-s``
+for the figures."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from chats import STEPS, TINY, assert_greedy, words
+from kvservice.engine import Engine, Request
+from kvservice.tools.launcher import Stack
+
+pytestmark = pytest.mark.e2e
+
+TRIALS = 40
+BLOCK = 16
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return TINY.reference()
+
+
+def _prompt(trial: int, tag: str) -> list[int]:
+    """A fresh prompt of ~200 tokens (12 full blocks) that no earlier trial shares."""
+    return words(f"{tag} trial {trial}: " + " ".join(f"item {trial * 31 + k} weighs {k * 7 % 13} units"
+                                                   for k in range(28)))[:200]
+
+
+#: How long after the first engine the second gets the prompt, trial after trial (s): at
+#: once, and while the first may be computing it or have just written it.
+DELAYS = (0.0, 0.0, 0.02, 0.05, 0.1, 0.2)
+
+
+def _both(engines: list[Engine], prompt: list[int], trial: int, delay: float) -> list[tuple[object, float]]:
+    """The same prompt to both engines, the second ``delay`` seconds after the first:
+    (completion, seconds to its first token) per engine."""
+    gate = threading.Barrier(len(engines))
+    out: list = [None] * len(engines)
+
+    def one(i: int, engine: Engine) -> None:
+        first: list[float] = []
+        gate.wait()
+        if i:
+            time.sleep(delay)
+        t0 = time.monotonic()
+        handle = engine.submit(Request(prompt, max_new_tokens=STEPS, ignore_eos=True, request_id=f"t{trial}e{i}"),
+                               lambda event: first or first.append(time.monotonic()))
+        done = handle.result(timeout=120)
+        out[i] = (done, first[0] - t0)
+    threads = [threading.Thread(target=one, args=(i, e)) for i, e in enumerate(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert all(o is not None for o in out)
+    return out
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.1f} ms" if values else "-"
+
+
+@pytest.mark.parametrize("tier", ["off", "host"])
+def test_two_engines_sent_one_fresh_prompt_answer_as_transformers(tiny, tier):
+    # (small device pools with a host tier: the trials' earlier prompts are evicted and
+    # copied down; every fifth trial sends an old prompt again, loaded from the host tier)
+    worker_args = ("--host-tier-gb", TINY.tier_gb(400)) if tier == "host" else ()
+    with Stack(2, model=TINY.name, block_size=BLOCK, num_blocks=24 if tier == "host" else 512,
+               worker_args=worker_args) as stack, \
+            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as a, \
+            Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as b:
+        a.start()
+        b.start()
+        by_delay: dict[float, list[tuple[int, float]]] = {d: [] for d in DELAYS}   # the second's (hit, ttft)
+        first_ttft, hits = [], 0
+        for trial in range(TRIALS):
+            again = tier == "host" and trial % 5 == 4
+            prompt = _prompt(trial - 4 if again else trial, tier)
+            delay = DELAYS[trial % len(DELAYS)]
+            results = _both([a, b], prompt, trial, delay)
+            for done, _ in results:
+                assert done.error == "", done.error
+                assert_greedy(tiny, prompt, done)
+                hits += done.num_cached_tokens > 0
+            if not again:
+                first_ttft.append(results[0][1])
+                by_delay[delay].append((results[1][0].num_cached_tokens, results[1][1]))
+        loaded = sum(e.report.loaded_blocks for e in (a, b))
+        rows = "; ".join(f"{d * 1e3:.0f} ms later: {sum(1 for h, _ in v if h)} of {len(v)} hit, ttft "
+                         f"{_ms([t for _, t in v])}" for d, v in by_delay.items() if v)
+        print(f"\ntier {tier}: {TRIALS} trials x 2 engines, every answer equal to transformers' "
+              f"({hits} of {2 * TRIALS} requests hit cached blocks; {loaded} blocks loaded from the host tier); "
+              f"first engine ttft {_ms(first_ttft)}; second engine, sent {rows}")
+        if tier == "host":
+            assert loaded > 0
+        # (sent 0.2 s later, the first's prompt is written and committed: the second hits it)
+        assert all(h > 0 for h, _ in by_delay[0.2])
+
+
+WRITER = r"""
+import sys
+from kvservice.client import Client
+from kvservice.common.security import ClientCredentials
+target, prompt, ca, cert, key = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], *sys.argv[3:6]
+c = Client(target, lease_ttl=3.0, commit_after_write=True, credentials=ClientCredentials(ca=ca, cert=cert, key=key))
+seq = c.create(prompt)
+print(seq.pool, len(seq.block_table), flush=True)
+sys.stdin.readline()          # (killed here: created, never written)
+"""
+
+
+def test_a_writer_killed_between_its_create_and_its_write_leaves_no_hash(tiny, tmp_path):
+    prompt = _prompt(999, "killed")
+    with Stack(2, model=TINY.name, block_size=BLOCK, num_blocks=256) as stack:
+        script = tmp_path / "writer.py"
+        script.write_text(WRITER)
+        creds = stack.credentials("engine")
+        writer = subprocess.Popen([sys.executable, str(script), stack.target, ",".join(map(str, prompt)),
+                                   creds.ca, creds.cert, creds.key], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            pool, blocks = writer.stdout.readline().split()
+            assert int(blocks) == -(-len(prompt) // BLOCK)
+            writer.kill()
+            writer.wait(10)
+            with Engine(stack.target, credentials=stack.credentials("engine"), return_logits=True) as engine:
+                first = engine.run([Request(prompt, max_new_tokens=STEPS, ignore_eos=True)]).completions[0]
+                assert first.num_cached_tokens == 0          # (its blocks were never announced)
+                assert_greedy(tiny, prompt, first)
+                # (its lease reaped: nothing of it stays)
+                deadline = time.monotonic() + 30
+                while any(p.num_sequences for p in stack.audit().pools):
+                    assert time.monotonic() < deadline, "the killed writer's lease was not reaped"
+                    time.sleep(0.2)
+                assert stack.audit().ok
+                second = engine.run([Request(prompt, max_new_tokens=STEPS, ignore_eos=True)]).completions[0]
+                assert second.num_cached_tokens == len(prompt) // BLOCK * BLOCK - (BLOCK if len(prompt) % BLOCK == 0
+                                                                                   else 0)
+                assert_greedy(tiny, prompt, second)
+        finally:
+            writer.kill()
