@@ -202,22 +202,27 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.api_replicas < 1 or (args.api_replicas > 1 and args.http is None):
+        print(f"kvservice up: --api-replicas needs --http and at least 1, got {args.api_replicas}", file=sys.stderr)
+        return 2
     stack = Stack(args.workers, model=args.model, model_seed=args.model_seed, block_size=args.block_size,
                   kv_memory=args.kv_memory, num_blocks=args.num_blocks, http_port=args.http,
-                  redis_cluster=args.redis_cluster, worker_args=tier_worker_args(args), roles=roles)
+                  redis_cluster=args.redis_cluster, worker_args=tier_worker_args(args), roles=roles,
+                  api_replicas=args.api_replicas)
+    replicas = f" ({args.api_replicas} replicas behind a round-robin front)" if args.api_replicas > 1 else ""
     print(f"starting Redis, an allocator and {args.workers} worker(s) serving {args.model}"
-          + (f", and the HTTP API on port {args.http}" if args.http is not None else "") + " ...", flush=True)
+          + (f", and the HTTP API on port {args.http}{replicas}" if args.http is not None else "") + " ...",
+          flush=True)
     try:
         stack.start()
         for line in stack.describe():
             print(f"  {line}", flush=True)
         print(f"ready: point clients and engines at {stack.target}"
-              + (f", OpenAI clients at {stack.api.url}" if stack.api else "")
+              + (f", OpenAI clients at {stack.http_url}" if stack.api else "")
               + "; Ctrl-C or SIGTERM stops everything", flush=True)
         while not stop.wait(0.5):
             dead = [w.pool_id for w in stack.workers if w.proc.poll() is not None]
-            if stack.api is not None and stack.api.proc.poll() is not None:
-                dead.append("api")
+            dead += [f"api-{i}" for i, a in enumerate(stack.apis) if a.proc.poll() is not None]
             if stack.allocator.proc.poll() is not None or dead:
                 print(f"kvservice up: a process exited ({', '.join(dead) or 'allocator'}); stopping",
                       file=sys.stderr)
@@ -388,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http", type=int, default=None, metavar="PORT",
                    help="also serve the OpenAI-compatible HTTP API on this port (kvservice api; 0: a free port), "
                         "with an API key it prints")
+    p.add_argument("--api-replicas", type=int, default=1, metavar="N",
+                   help="with --http: N kvservice api processes (N engines, one lease each, sharing the prefix "
+                        "cache) behind a round-robin front on the --http port (default 1)")
     p.add_argument("--roles", default="", metavar="R,R,...",
                    help="each worker's role, comma-separated: both, prefill, decode (disaggregated prefill / "
                         "decode; default: every worker both)")

@@ -152,3 +152,51 @@ def test_a_writer_killed_between_its_create_and_its_write_leaves_no_hash(tiny, t
                 assert_greedy(tiny, prompt, second)
         finally:
             writer.kill()
+
+
+def test_two_api_replicas_behind_the_front_answer_one_new_prompt_alike(smollm2_cache):
+    """``kvservice up --api-replicas 2``'s shape: two ``kvservice api`` processes (two engines,
+    one lease each, tenant "api") behind the round-robin front, over one allocator and two
+    SmolLM2 workers; the unmodified OpenAI client sends one new prompt to both at once, and
+    then again: every answer equals transformers' greedy generation."""
+    import openai
+
+    from chats import greedy
+    from kvservice.engine.text import Tokenizer
+    from worker import weights
+
+    name, steps = "smollm2-135m", 12
+    with Stack(2, model=name, block_size=BLOCK, num_blocks=256, http_port=0, api_replicas=2) as stack, \
+            openai.OpenAI(base_url=stack.http_url, api_key=stack.api_key, max_retries=0, timeout=120) as api:
+        files = weights.tokenizer_files(name)
+        tok = Tokenizer(files.tokenizer_json, files.chat_template, files.eos_token_ids, files.bos_token, files.eos_token)
+        reference = weights.load(name)
+        answers, cached = [], []
+        for trial in range(3):
+            prompt = tok.encode(f"Trial {trial}. The harbour master of the northern port keeps a ledger of every ship "
+                                f"that arrives, with its cargo, its crew and the hour it was sighted; on the "
+                                f"{trial + 3}rd page of the ledger he wrote that")
+            expected = tok.decode(greedy(reference, prompt, steps)[0])
+
+            def ask(prompt=prompt):
+                r = api.completions.create(model=name, prompt=prompt, max_tokens=steps, temperature=0)
+                return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+            gate = threading.Barrier(2)
+            out: list = [None, None]
+
+            def both(i: int) -> None:
+                gate.wait()
+                out[i] = ask()
+            threads = [threading.Thread(target=both, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(180)
+            later = ask()
+            answers += [o[0] for o in out] + [later[0]]
+            cached += [o[1] for o in out] + [later[1]]
+            assert [o[0] for o in out] + [later[0]] == [expected] * 3, (out, later, expected)
+            assert later[1] > 0                                  # (written and announced: a hit)
+        assert stack.front.connections[0] > 0 and stack.front.connections[1] > 0
+        print(f"\n2 API replicas: 9 answers equal to transformers'; cached tokens {cached}; connections per "
+              f"replica {stack.front.connections}")

@@ -228,9 +228,12 @@ class Stack:
                  block_size: int = 16, kv_memory: str = "64MiB", num_blocks: int = 0,
                  worker_args: tuple[str, ...] = (), allocator_args: tuple[str, ...] = (),
                  secure: bool = True, http_port: int | None = None, api_args: tuple[str, ...] = (),
-                 redis_cluster: int = 0, redis_fsync: str = "", roles: tuple[str, ...] = ()) -> None:
+                 redis_cluster: int = 0, redis_fsync: str = "", roles: tuple[str, ...] = (),
+                 api_replicas: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"a stack needs at least one worker, got {workers}")
+        if api_replicas < 1:
+            raise ValueError(f"api_replicas must be at least 1, got {api_replicas}")
         if roles and len(roles) != workers:
             raise ValueError(f"{len(roles)} roles for {workers} workers")
         self.roles = tuple(roles)
@@ -244,13 +247,25 @@ class Stack:
         self.redis_fsync = redis_fsync
         self.allocator: AllocatorProcess | None = None
         self.workers: list[WorkerProcess] = []
-        self.http_port, self.api_args = http_port, api_args
+        self.http_port, self.api_args, self.api_replicas = http_port, api_args, api_replicas
+        #: The HTTP API's replicas (``api``: the first), and with more than one the
+        #: round-robin front that listens on ``http_port`` (``http_url``).
+        self.apis: list[ApiProcess] = []
         self.api: ApiProcess | None = None
+        self.front = None
         #: Whether the model is a pretrained preset (known once started).
         self.pretrained = False
         #: Each worker's torch threads: the cores this process may use shared out (threads
         #: of several workers on the same cores slow every step down several times).
         self.torch_threads = max(1, usable_cores() // workers)
+
+    @property
+    def http_url(self) -> str:
+        """``http://127.0.0.1:<port>/v1`` of the HTTP API: its front with several replicas."""
+        if self.front is not None:
+            return f"http://127.0.0.1:{self.front.port}/v1"
+        assert self.api is not None, "a stack with an HTTP API, started"
+        return self.api.url
 
     @property
     def api_key(self) -> str:
@@ -356,8 +371,17 @@ class Stack:
                 w.wait_ready(timeout)
             if self.http_port is not None:
                 args = ["--api-key-file", f"{self.credentials_dir}/api-key"] if self.secure else []
-                self.api = ApiProcess(self.target, *args, *self.api_args, env=self._client_env("api"),
-                                      port=self.http_port).start(timeout)
+                one = self.api_replicas == 1
+                self.apis = [ApiProcess(self.target, *args, *self.api_args, env=self._client_env("api"),
+                                        port=self.http_port if one else 0).start(wait=False)
+                             for _ in range(self.api_replicas)]
+                for api in self.apis:
+                    api.wait_ready(timeout)
+                self.api = self.apis[0]
+                if not one:
+                    from kvservice.api.front import RoundRobinFront
+                    self.front = RoundRobinFront("127.0.0.1", self.http_port,
+                                                 [f"127.0.0.1:{a.port}" for a in self.apis]).start()
         except BaseException:
             self.stop()
             raise
@@ -383,14 +407,16 @@ class Stack:
             model = (f", model {self.model}" + ("" if self.pretrained else f" seed {self.model_seed}")
                      if self.model else "")
             lines.append(f"{w.pool_id or 'worker':<10} {w.target} (pid {w.proc.pid}{model}, metrics {w.metrics_url})")
-        if self.api:
-            lines.append(f"api        {self.api.url} (pid {self.api.proc.pid}, model {self.api.model}, "
-                         f"metrics http://127.0.0.1:{self.api.port}/metrics)")
+        for api in self.apis:
+            lines.append(f"api        {api.url} (pid {api.proc.pid}, model {api.model}, "
+                         f"metrics http://127.0.0.1:{api.port}/metrics)")
+        if self.front is not None:
+            lines.append(f"front      {self.http_url} (round robin over the {len(self.apis)} API replicas)")
         if self.secure and self._creds_dir is not None:
             d = self.credentials_dir
             if self.api:
                 lines.append(f"HTTP API key in {d}/api-key: export OPENAI_API_KEY=$(cat {d}/api-key) "
-                             f"OPENAI_BASE_URL={self.api.url}")
+                             f"OPENAI_BASE_URL={self.http_url}")
             lines.append(f"TLS + auth credentials in {d}: a client presents the CA and a certificate, e.g.")
             lines.append(f"  export KVSERVICE_TLS_CA={d}/ca.pem KVSERVICE_CLIENT_CERT={d}/engine.pem "
                          f"KVSERVICE_CLIENT_KEY={d}/engine-key.pem   (tenant engine; admin.pem: admin)")
@@ -400,9 +426,12 @@ class Stack:
 
     def stop(self) -> None:
         """Stops the API, the workers, the allocator and Redis (each only if it was started)."""
-        if self.api is not None:
-            self.api.stop()
-            self.api = None
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
+        for api in self.apis:
+            api.stop()
+        self.apis, self.api = [], None
         for w in self.workers:
             w.stop()
         self.workers = []
