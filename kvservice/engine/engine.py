@@ -40,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -120,6 +120,9 @@ class Engine(Scheduler, ForwardPath, TierPath):
         self._to_free: list[Sequence] = []
         self._live: dict[str, Sequence] = {}          # every sequence holding blocks, by id
         self._unwritten: dict[str, set[int]] = {}     # per pool: blocks whose prompt is not computed yet
+        #: The first blocks (token tuples) of the prompts this engine prefilled last, oldest
+        #: first: a create that shares one needs not wait for another's prefill (_plan_creates).
+        self._prefilled: OrderedDict[tuple[int, ...], None] = OrderedDict()
         #: Per (pool, epoch): blocks whose hash promises content they do not hold (a failed
         #: load, or a prompt that a failed step never wrote): computed again by whoever
         #: counts them as cached (kvservice/engine/tiers.py).

@@ -15,6 +15,7 @@ import grpc
 from kvservice import errors
 from kvservice.client import StepResult
 from kvservice.engine.requests import DECODE, DONE, FORK, LENGTH, PREFILL, STOP, Output, Request, _Branch, _Job
+from kvservice.engine.scheduler import PREFILLED_KEPT
 from kvservice.engine.text import Tokenizer
 from kvservice.rpc import to_domain_error
 from kvservice.v1 import allocator_pb2 as pb
@@ -199,6 +200,10 @@ class ForwardPath:
                 b.seq.mark_written(fs.start_position + len(fs.token_ids))
                 if kind == PREFILL:
                     r.prefill_tokens += len(fs.token_ids)
+                    if len(b.context) > b.seq.block_size:
+                        self._prefilled[tuple(b.context[:b.seq.block_size])] = None
+                        if len(self._prefilled) > PREFILLED_KEPT:
+                            self._prefilled.popitem(last=False)
                     written = fs.block_table[fs.start_position // b.seq.block_size:]
                     self._unwritten[pool].difference_update(written)
                     self._tainted.get((pool, b.seq.epoch), set()).difference_update(written)

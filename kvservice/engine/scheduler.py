@@ -113,9 +113,10 @@ class Scheduler:
         jobs, then waiting jobs in order, while the predicted free blocks, ``max_num_seqs``
         and ``max_prefill_tokens`` allow. With nothing running, the first is always tried.
         A prompt whose first block another prompt of this engine is being computed with (a
-        create of this step, or a prefill not written yet) waits one step: its blocks are
-        announced once written (docs/allocator.md), and the next step's create hits them
-        rather than computing them again."""
+        create of this step, or a prefill not written yet) and that no prefill of this
+        engine wrote yet waits one step: blocks are announced once written
+        (docs/allocator.md), and the next step's create hits them rather than computing
+        them again."""
         creates: list[tuple[_Job, _Branch, list[int]]] = []
         if self._hold:
             return creates
@@ -141,6 +142,7 @@ class Scheduler:
 
         writing = {_first_block(x.context, x.seq.block_size) for j in self._running for x in j.branches
                    if x.state == PREFILL and x.seq is not None}
+        written = self._prefilled
 
         def take(job: _Job, b: _Branch) -> bool:
             nonlocal seqs, budget, idle
@@ -148,7 +150,7 @@ class Scheduler:
             tokens = job.req.prompt + b.outputs
             pool = self._pool_of(job.req) or target
             first = _first_block(tokens, self._block_size[pool])
-            if first is not None and first in writing:
+            if first is not None and first in writing and first not in written:
                 return True                  # (next step, once the other one's KV is written)
             job.forking = width > 1
             need = -(-len(tokens) // self._block_size[pool]) + width - 1
@@ -244,3 +246,7 @@ class Scheduler:
 def _first_block(tokens: list[int], block_size: int) -> tuple[int, ...] | None:
     """The first full block of a prompt that a create could hit (None: none can)."""
     return tuple(tokens[:block_size]) if len(tokens) > block_size else None
+
+
+#: First blocks of the prompts an engine prefilled last (``Engine._prefilled``), at most.
+PREFILLED_KEPT = 4096
