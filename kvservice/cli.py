@@ -236,6 +236,26 @@ def _up(args: argparse.Namespace) -> int:
         print("stopped.", flush=True)
 
 
+def _front(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvservice.api.front import RoundRobinFront
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        front = RoundRobinFront(args.host, args.port, args.backend).start()
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvservice front: {exc}", file=sys.stderr)
+        return 2
+    print(f"front on {args.host}:{front.port}: round robin over {', '.join(args.backend)}", flush=True)
+    stop.wait()
+    front.stop()
+    return 0
+
+
 def tier_arguments(p: argparse.ArgumentParser) -> None:
     """The workers' lower tiers (DESIGN §12), as ``python -m worker`` takes them."""
     p.add_argument("--host-tier-gb", type=float, default=0.0,
@@ -407,6 +427,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/v1/chat/completions, /health, /metrics) over an allocator and its workers")
     api_arguments(p)
     p.set_defaults(func=_api)
+
+    p = sub.add_parser("front", help="a round-robin TCP front for several kvservice api replicas: each new "
+                                     "connection goes to the next replica (a name with several addresses is "
+                                     "several replicas); HTTP, streams and HTTPS pass through")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--backend", action="append", required=True, metavar="HOST:PORT",
+                   help="an API replica, or a name whose every address is one (repeatable)")
+    p.set_defaults(func=_front)
 
     from kvservice.events.cli import add_route_arguments, add_router_arguments, route_main, router_main
 

@@ -329,6 +329,14 @@ up_cpu() {
   wait_healthy 600 "${CPU_SERVICES[@]}"
 }
 
+# Both API replicas answered chat completions (their access logs, one container each).
+replicas_answered() {
+  local n
+  n=$(compose logs api-cpu 2>/dev/null | grep 'POST /v1/chat/completions' | sed -E 's/^([^ |]+).*/\1/' | sort -u | wc -l)
+  [ "$n" -ge 2 ] || { log "chat completions reached $n API replica(s), not 2"; return 1; }
+  log "both API replicas answered chat completions"
+}
+
 check_cpu() {
   local ok=0 bind
   in_allocator kvservice health --target allocator:50051 || ok=1
@@ -337,8 +345,15 @@ check_cpu() {
   api_key || return 1
   log "a chat completion through the API (key from the certs job)"
   "${PROBE[@]}" chat http://127.0.0.1:8000 "$WORK/api-key" --requests 1 --max-tokens 16 || ok=1
-  log "Prometheus's targets"
-  "${PROBE[@]}" targets http://127.0.0.1:9090 --expect 4 --wait 120 || ok=1
+  log "one new prompt to both API replicas at once (the front alternates): answers equal"
+  local nonce
+  nonce=$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')
+  "${PROBE[@]}" chat http://127.0.0.1:8000 "$WORK/api-key" --requests 2 --max-tokens 24 \
+    --question "Ticket $nonce: the blue kettle ships from Oslo and costs 41 crowns. Where does the blue kettle ship from?" \
+    || ok=1
+  replicas_answered || ok=1
+  log "Prometheus's targets (the allocator, two workers, two API replicas)"
+  "${PROBE[@]}" targets http://127.0.0.1:9090 --expect 5 --wait 120 || ok=1
   log "the dashboard's queries"
   "${PROBE[@]}" queries http://127.0.0.1:9090 deploy/grafana/dashboards/kvservice.json || ok=1
   log "Grafana's admin password (made by the certs job) and no anonymous access"

@@ -2,9 +2,10 @@
 """The HTTP checks of scripts/compose_check.sh, in the standard library only (it runs on
 the Docker host, where the project need not be installed).
 
-    compose_probe.py chat URL KEYFILE [--requests N] [--max-tokens N]
+    compose_probe.py chat URL KEYFILE [--requests N] [--max-tokens N] [--question TEXT]
         N chat completions at once through the OpenAI-compatible API; prints each one's
-        status, time and answer; exit 1 unless every one answered 200 with its tokens.
+        status, time and answer; exit 1 unless every one answered 200 with its tokens and
+        all answered alike (greedy).
     compose_probe.py targets PROMETHEUS_URL [--wait S] [--expect N]
         waits until Prometheus has N active targets, all up; prints them.
     compose_probe.py queries PROMETHEUS_URL DASHBOARD_JSON
@@ -40,7 +41,7 @@ def chat(args: argparse.Namespace) -> int:
 
     def one(i: int) -> None:
         body = json.dumps({"model": "smollm2-135m", "max_tokens": args.max_tokens, "temperature": 0,
-                           "messages": [{"role": "user", "content": QUESTION}]}).encode()
+                           "messages": [{"role": "user", "content": args.question}]}).encode()
         req = urllib.request.Request(f"{args.url}/v1/chat/completions", body, method="POST",
                                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         t0 = time.monotonic()
@@ -141,6 +142,7 @@ def main() -> int:
     c.add_argument("--requests", type=int, default=1)
     c.add_argument("--max-tokens", type=int, default=24)
     c.add_argument("--stagger", type=float, default=0.0, help="seconds between the requests' starts")
+    c.add_argument("--question", default=QUESTION, help="the user message (default: a fixed question)")
     c.add_argument("--timeout", type=float, default=300.0)
     c.set_defaults(fn=chat)
     t = sub.add_parser("targets")

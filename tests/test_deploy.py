@@ -477,7 +477,7 @@ def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
     svc = services()
     assert set(svc) == {"certs", "redis", "allocator", "prometheus", "grafana",
                         "worker-gpu-0", "worker-gpu-1", "worker-cpu-0", "worker-cpu-1", "api-gpu", "api-cpu",
-                        *CLUSTER_NODES, CLUSTER_INIT, CLUSTER_ALLOCATOR}
+                        "api-front-gpu", "api-front-cpu", *CLUSTER_NODES, CLUSTER_INIT, CLUSTER_ALLOCATOR}
     # No profile: the certificates job, Redis, the allocator, Prometheus and Grafana; the
     # workers and the HTTP API (which needs workers) come with exactly one of the profiles
     # gpu and cpu.
@@ -485,7 +485,7 @@ def test_compose_has_the_control_plane_monitoring_and_both_worker_profiles():
                                                                     "grafana"}
     for name, s in svc.items():
         if name.startswith(("worker-", "api-")):
-            assert s.get("profiles") == [name.split("-")[1]], name
+            assert s.get("profiles") == [name.split("-")[-1] if "front" in name else name.split("-")[1]], name
     # The profile cluster: a Redis Cluster, the job that forms it and an allocator over it.
     assert {n for n, s in svc.items() if s.get("profiles") == ["cluster"]} == \
         {*CLUSTER_NODES, CLUSTER_INIT, CLUSTER_ALLOCATOR}
@@ -606,10 +606,14 @@ def test_base_images_and_service_images_are_variables_with_the_registry_defaults
                                                               "nvidia/cuda:12.8.1-runtime-ubuntu22.04"}, path.name
     raw = yaml.safe_load(COMPOSE.read_text())["services"]
     defaults = {"redis": "redis:7.2", "prometheus": "prom/prometheus:v2.53.1", "grafana": "grafana/grafana:11.1.0"}
+    built = {s["image"] for s in raw.values() if "build" in s}
     for name, s in raw.items():
         if "build" in s:
             args = s["build"].get("args") or {}
             assert set(args) & {"PYTHON_IMAGE", "CUDA_IMAGE"}, f"{name}: its base image is not a build argument"
+            continue
+        if s.get("pull_policy") == "never":            # (an image another service builds: the API's front)
+            assert s["image"] in built, name
             continue
         assert re.fullmatch(r"\$\{[A-Z]+_IMAGE:-[^}]+\}", s["image"]), f"{name}: {s['image']}"
     svc = services()
@@ -741,9 +745,16 @@ def test_published_ports_and_health_checks_are_the_ports_the_settings_use():
     for name, s in _api_services().items():
         args = api_args(_command(name, s))
         assert args.host == "0.0.0.0" and args.allocator == f"allocator:{alloc.port}", name
-        # Published on the loopback address only, under the same port.
-        assert s["ports"] == [f"127.0.0.1:{args.port}:{args.port}"], name
+        # Two replicas, published through their front only (the loopback address, the same
+        # port), which sends each connection to the next address of the network name `api`.
+        assert "ports" not in s and s["deploy"]["replicas"] == 2 and "api" in network_names(name, s), name
         assert http_health_port(s["healthcheck"]["test"][1:]) == args.port, name
+        front = svc[name.replace("api-", "api-front-")]
+        argv = _command(name, front)
+        assert argv[:2] == ["kvservice", "front"] and argv[argv.index("--backend") + 1] == f"api:{args.port}", name
+        assert front["ports"] == [f"127.0.0.1:{args.port}:{args.port}"], name
+        assert http_health_port(front["healthcheck"]["test"][1:]) == args.port, name
+        assert front["depends_on"][name]["condition"] == "service_healthy", name
 
 
 def test_workers_advertise_names_that_the_http_api_reaches_and_the_certificate_covers():
@@ -1295,7 +1306,10 @@ def _metrics_port(name: str, service: dict) -> int:
 
 def test_scrape_jobs_name_the_compose_services_and_their_metrics_ports():
     config = yaml.safe_load(PROMETHEUS.read_text())
-    jobs = {j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]] for j in config["scrape_configs"]}
+    # (static targets, or DNS names whose every address is one: the API's replicas)
+    jobs = {j["job_name"]: [t for sc in j.get("static_configs", []) for t in sc["targets"]]
+            + [f"{n}:{sd['port']}" for sd in j.get("dns_sd_configs", []) for n in sd["names"]]
+            for j in config["scrape_configs"]}
     assert set(jobs) == JOBS
     assert config["global"]["scrape_interval"] in ("5s", "15s")
     svc = services()

@@ -74,7 +74,8 @@ def test_connections_alternate_and_bodies_pass_unchanged(replicas):
         conn.request("GET", "/stream")
         assert conn.getresponse().read() == b"".join(f"data: {i}\n\n".encode() for i in range(5))
         conn.close()
-        assert front.connections == [3, 2]
+        r0, r1 = (f"127.0.0.1:{s.server_address[1]}" for s in replicas)
+        assert front.connections == {r0: 3, r1: 2}
     finally:
         front.stop()
 
@@ -87,7 +88,7 @@ def test_a_replica_that_is_down_is_skipped_and_none_up_closes_the_connection(rep
     front = RoundRobinFront("127.0.0.1", 0, [f"127.0.0.1:{dead}", f"127.0.0.1:{live}"]).start()
     try:
         assert [_post(front.port, b"x") for _ in range(3)] == [b"r1:x"] * 3
-        assert front.connections == [0, 3]
+        assert front.connections == {f"127.0.0.1:{live}": 3}
     finally:
         front.stop()
     nobody = RoundRobinFront("127.0.0.1", 0, [f"127.0.0.1:{dead}"]).start()
@@ -98,9 +99,23 @@ def test_a_replica_that_is_down_is_skipped_and_none_up_closes_the_connection(rep
         nobody.stop()
 
 
+def test_a_name_with_several_addresses_is_several_replicas(replicas):
+    # ("localhost" may resolve to ::1 too: a replica bound to 127.0.0.1 only refuses there,
+    # and is skipped; every answer still comes, alternating over the addresses that listen)
+    port = replicas[0].server_address[1]
+    front = RoundRobinFront("127.0.0.1", 0, [f"localhost:{port}"]).start()
+    try:
+        assert [_post(front.port, b"y") for _ in range(3)] == [b"r0:y"] * 3
+        assert front.connections[f"127.0.0.1:{port}"] == 3
+    finally:
+        front.stop()
+
+
 def test_a_front_needs_a_backend_and_a_free_port():
     with pytest.raises(ValueError, match="at least one backend"):
         RoundRobinFront("127.0.0.1", 0, [])
+    with pytest.raises(ValueError, match="host:port"):
+        RoundRobinFront("127.0.0.1", 0, ["api"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -1,15 +1,18 @@
 """A round-robin front for several ``kvservice api`` replicas (``kvservice up --api-replicas
-N``): one port that hands each new TCP connection to the next replica in turn and copies
-bytes both ways, so that HTTP, streamed answers (server-sent events) and HTTPS pass
-through unchanged (TLS ends at the replica). A replica that refuses the connection is
-skipped for that connection; the client sees an error only when every replica refuses.
-It runs on its own thread with its own event loop."""
+N``, ``kvservice front``): one port that hands each new TCP connection to the next replica
+in turn and copies bytes both ways, so that HTTP, streamed answers (server-sent events) and
+HTTPS pass through unchanged (TLS ends at the replica). A backend is ``host:port``; a host
+name is resolved at each connection and each of its addresses is a replica (a compose
+service with several replicas behind one network name). A replica that refuses the
+connection is skipped for that connection; the client sees an error only when every
+replica refuses. It runs on its own thread with its own event loop."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import collections
 import logging
+import socket
 import threading
 
 log = logging.getLogger("kvservice.front")
@@ -25,9 +28,15 @@ class RoundRobinFront:
         if not backends:
             raise ValueError("a front needs at least one backend")
         self.host, self.port = host, port
-        self.backends = [(b.rsplit(":", 1)[0], int(b.rsplit(":", 1)[1])) for b in backends]
-        self.connections = [0] * len(self.backends)      # handed to each backend so far
-        self._turn = itertools.cycle(range(len(self.backends)))
+        self.backends = []
+        for b in backends:
+            name, _, num = b.rpartition(":")
+            if not name or not num.isdigit():
+                raise ValueError(f"a backend is host:port, got {b!r}")
+            self.backends.append((name, int(num)))
+        #: Connections handed to each replica so far, by ``address:port``.
+        self.connections: collections.Counter[str] = collections.Counter()
+        self._turn = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
@@ -56,16 +65,32 @@ class RoundRobinFront:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
 
+    async def _replicas(self) -> list[tuple[str, int]]:
+        """Every backend's addresses, resolved now (a name that does not resolve is left out)."""
+        loop = asyncio.get_running_loop()
+        out: list[tuple[str, int]] = []
+        for name, port in self.backends:
+            try:
+                infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("api replica %s:%d does not resolve (%s)", name, port, exc)
+                continue
+            for addr in sorted({info[4][0] for info in infos}):
+                out.append((addr, port))
+        return out
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream = None
-        for _ in range(len(self.backends)):
-            i = next(self._turn)
+        replicas = await self._replicas()
+        turn, self._turn = self._turn, self._turn + 1
+        for k in range(len(replicas)):
+            addr, port = replicas[(turn + k) % len(replicas)]
             try:
-                upstream = await asyncio.wait_for(asyncio.open_connection(*self.backends[i]), 5)
-                self.connections[i] += 1
+                upstream = await asyncio.wait_for(asyncio.open_connection(addr, port), 5)
+                self.connections[f"{addr}:{port}"] += 1
                 break
             except (OSError, asyncio.TimeoutError) as exc:
-                log.warning("api replica %s:%d refused a connection (%s); trying the next", *self.backends[i], exc)
+                log.warning("api replica %s:%d refused a connection (%s); trying the next", addr, port, exc)
         if upstream is None:
             writer.close()
             return
