@@ -91,6 +91,24 @@ def test_the_sdks_local_commits_are_published_with_their_tokens(events):
     assert index.lookup(PROMPT)["kvs"].blocks == 3
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["remote", "local"])
+def test_a_block_is_published_as_stored_only_once_its_kv_is_written(events, local):
+    s, _, source, index, _ = events
+    with Client(s.target, tenant="t1", local=local, lease_ttl=30.0, commit_after_write=True) as c:
+        seq = c.create(PROMPT, pool="a")                    # (an engine's create: nothing written yet)
+        c.flush()
+        _publish(source, index)
+        assert index.lookup(PROMPT)["kvs"].blocks == 0
+        seq.mark_written(8)                                 # (two blocks' KV written)
+        c.flush()
+        _publish(source, index)
+        assert index.lookup(PROMPT)["kvs"].blocks == 2
+        seq.free()                                          # (the third never written: never stored)
+        c.flush()
+        _publish(source, index)
+        assert index.lookup(PROMPT)["kvs"].blocks == 2
+
+
 def test_each_batch_is_a_vllm_batch_numbered_from_redis_and_a_new_publisher_never_reuses_a_number(events):
     s, c, source, index, r = events
     ctx = zmq.Context()
