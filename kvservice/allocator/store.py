@@ -141,6 +141,9 @@ class Store:
         self._scripts = {name: redis.register_script(s.source) for name, s in lua.SCRIPTS.items()}
         self._pool_list: tuple[float, list[str]] | None = None
         self._draining: set[str] = set()     # (read with the pool list)
+        #: Changes this replica made to the registry or the draining set: a read that began
+        #: before one of them does not overwrite what it knows (``pool_ids``).
+        self._registry_changes = 0
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -273,11 +276,13 @@ class Store:
     def _stale_pool_list(self, also: str = "") -> None:
         """The cached pool list (plus ``also``) is to be read again at the next use; it is
         kept all the same, to serve while the registry's shard is away."""
+        self._registry_changes += 1
         if self._pool_list is not None:
             self._pool_list = (-math.inf, sorted({*self._pool_list[1], *([also] if also else [])}))
 
     def _forget_pool(self, pool_id: str) -> None:
         """The pool left the registry: the cached list forgets it."""
+        self._registry_changes += 1
         if self._pool_list is not None:
             self._pool_list = (-math.inf, [p for p in self._pool_list[1] if p != pool_id])
 
@@ -371,8 +376,10 @@ class Store:
         """Marks the pool as being drained (or no more)."""
         if on:
             await self.redis.sadd(keys.DRAINING, pool_id)
+            self._draining = self._draining | {pool_id}
         else:
             await self.redis.srem(keys.DRAINING, pool_id)
+            self._draining = self._draining - {pool_id}
         self._stale_pool_list()
 
     async def unregister_pool(self, pool_id: str, force: bool = False) -> dict[str, Any]:
@@ -511,23 +518,27 @@ class Store:
         stale = self._pool_list if cached else None
         if stale is not None and now - stale[0] < POOL_LIST_TTL:
             return stale[1]
+        seen = self._registry_changes
         try:
             read = self._read_registry()
-            ids = await (asyncio.wait_for(read, POOL_LIST_WAIT) if stale is not None else read)
+            ids, draining = await (asyncio.wait_for(read, POOL_LIST_WAIT) if stale is not None else read)
         except (*REDIS_DOWN, asyncio.TimeoutError):
             if stale is not None:
                 # The registry's shard is away: the pools known so far, for another while.
                 self._pool_list = (now, stale[1])
                 return stale[1]
             raise
-        self._pool_list = (now, ids)
+        if self._registry_changes == seen:
+            self._pool_list, self._draining = (now, ids), draining
+        else:       # (read before a change of this replica's: not kept, read again next time)
+            self._pool_list = (-math.inf, ids)
         return ids
 
-    async def _read_registry(self) -> list[str]:
-        """The registry, sorted; the draining set goes to ``_draining``."""
+    async def _read_registry(self) -> tuple[list[str], set[str]]:
+        """The registry, sorted, and the draining set."""
         members = await self.redis.smembers(keys.POOLS)
-        self._draining = {m.decode() for m in await self.redis.smembers(keys.DRAINING)}
-        return sorted(m.decode() for m in members)
+        draining = {m.decode() for m in await self.redis.smembers(keys.DRAINING)}
+        return sorted(m.decode() for m in members), draining
 
     async def generation(self, pool_id: str) -> int:
         """The pool's generation as last recorded (a script run now may begin a new one:
