@@ -44,9 +44,9 @@ def _prompt(trial: int, tag: str) -> list[int]:
 DELAYS = (0.0, 0.0, 0.02, 0.05, 0.1, 0.2)
 
 
-def _both(engines: list[Engine], prompt: list[int], trial: int, delay: float) -> list[tuple[object, float]]:
-    """The same prompt to both engines, the second ``delay`` seconds after the first:
-    (completion, seconds to its first token) per engine."""
+def _both(engines: list[Engine], prompts: list[list[int]], trial: int, delay: float) -> list[tuple[object, float]]:
+    """A prompt to each engine, the second ``delay`` seconds after the first: (completion,
+    seconds to its first token) per engine."""
     gate = threading.Barrier(len(engines))
     out: list = [None] * len(engines)
 
@@ -56,7 +56,7 @@ def _both(engines: list[Engine], prompt: list[int], trial: int, delay: float) ->
         if i:
             time.sleep(delay)
         t0 = time.monotonic()
-        handle = engine.submit(Request(prompt, max_new_tokens=STEPS, ignore_eos=True, request_id=f"t{trial}e{i}"),
+        handle = engine.submit(Request(prompts[i], max_new_tokens=STEPS, ignore_eos=True, request_id=f"t{trial}e{i}"),
                                lambda event: first or first.append(time.monotonic()))
         done = handle.result(timeout=120)
         out[i] = (done, first[0] - t0)
@@ -85,12 +85,12 @@ def test_two_engines_sent_one_fresh_prompt_answer_as_transformers(tiny, tier):
         a.start()
         b.start()
         by_delay: dict[float, list[tuple[int, float]]] = {d: [] for d in DELAYS}   # the second's (hit, ttft)
-        first_ttft, hits = [], 0
+        first_ttft, alone, hits = [], [], 0
         for trial in range(TRIALS):
             again = tier == "host" and trial % 5 == 4
             prompt = _prompt(trial - 4 if again else trial, tier)
             delay = DELAYS[trial % len(DELAYS)]
-            results = _both([a, b], prompt, trial, delay)
+            results = _both([a, b], [prompt, prompt], trial, delay)
             for done, _ in results:
                 assert done.error == "", done.error
                 assert_greedy(tiny, prompt, done)
@@ -98,12 +98,21 @@ def test_two_engines_sent_one_fresh_prompt_answer_as_transformers(tiny, tier):
             if not again:
                 first_ttft.append(results[0][1])
                 by_delay[delay].append((results[1][0].num_cached_tokens, results[1][1]))
+            if delay == 0.0 and not again:
+                # (the control: two other fresh prompts at once, one each: the time to first
+                # token of computing a prompt alone under the same load)
+                other = [_prompt(trial, tier + " control a"), _prompt(trial, tier + " control b")]
+                for p, (done, ttft) in zip(other, _both([a, b], other, trial, 0.0)):
+                    assert done.error == "" and done.num_cached_tokens == 0, done.error
+                    assert_greedy(tiny, p, done)
+                alone.append(ttft)
         loaded = sum(e.report.loaded_blocks for e in (a, b))
         rows = "; ".join(f"{d * 1e3:.0f} ms later: {sum(1 for h, _ in v if h)} of {len(v)} hit, ttft "
                          f"{_ms([t for _, t in v])}" for d, v in by_delay.items() if v)
         print(f"\ntier {tier}: {TRIALS} trials x 2 engines, every answer equal to transformers' "
               f"({hits} of {2 * TRIALS} requests hit cached blocks; {loaded} blocks loaded from the host tier); "
-              f"first engine ttft {_ms(first_ttft)}; second engine, sent {rows}")
+              f"first engine ttft {_ms(first_ttft)}; second engine, sent {rows}; a prompt of its own at "
+              f"the same moment (alone, the same load): ttft {_ms(alone)}")
         if tier == "host":
             assert loaded > 0
         # (sent 0.2 s later, the first's prompt is written and committed: the second hits it)
