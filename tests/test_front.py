@@ -121,3 +121,22 @@ def test_a_front_needs_a_backend_and_a_free_port():
         s.listen()
         with pytest.raises(RuntimeError, match="could not listen"):
             RoundRobinFront("127.0.0.1", s.getsockname()[1], ["127.0.0.1:1"]).start()
+
+
+def test_garbage_and_abandoned_connections_leave_the_front_serving(replicas):
+    # (the front parses nothing: a malformed request reaches a replica, which refuses it;
+    # a client that connects and says nothing, or goes away mid-request, costs the others
+    # nothing)
+    front = RoundRobinFront("127.0.0.1", 0, [f"127.0.0.1:{replicas[0].server_address[1]}"]).start()
+    try:
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as s:
+            s.sendall(b"\x00\xff NOT HTTP \r\n\r\n")
+            answer = s.recv(4096)
+            assert b"400 - Bad request" in answer          # (the replica's refusal, passed back)
+        idle = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\nhalf")
+        assert _post(front.port, b"z") == b"r0:z"
+        idle.close()
+    finally:
+        front.stop()
